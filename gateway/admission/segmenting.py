@@ -1,0 +1,92 @@
+"""Split text at added tokens exactly as `tokenizers`' AddedVocabulary does.
+
+The tokenizer never merges across an added-token match: it extracts the matches first (leftmost-longest,
+non-normalized tokens before normalized ones, honouring single_word / lstrip / rstrip) and encodes each
+piece between them on its own. Replicating that split lets a prompt be counted, and cached, per piece.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gateway.admission.tokenizer import AddedToken
+
+# Rust regex `\s` (Unicode White_Space); Python's `\s` also matches U+001C..U+001F, which Rust does not.
+_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_LEADING_SPACE = re.compile(f"[{_WHITE_SPACE}]*")
+_TRAILING_SPACE = re.compile(f"[{_WHITE_SPACE}]*\\Z")
+
+
+class UnsupportedSplit(Exception):
+    """The text hits an added-token corner our split does not replicate; count it in one pass instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A piece of the text: either one added token (`token_id` set) or plain text between them."""
+
+    text: str
+    token_id: int | None
+
+
+def _is_word_char(c: str) -> bool:
+    """Approximates Rust regex `\\w` (Alphabetic, marks, decimal digits, connector punctuation, joiners)."""
+    cat = unicodedata.category(c)
+    return cat[0] in "LM" or cat in ("Nd", "Nl", "Pc") or c in "\u200c\u200d"
+
+
+class AddedTokenSplitter:
+    """Splits text into plain segments and added-token segments."""
+
+    def __init__(self, added: Iterable[AddedToken]) -> None:
+        tokens = list(added)
+        self._by_content = {t.content: t for t in tokens}
+        # Non-normalized tokens are extracted first; normalized ones then from the remaining pieces
+        # (valid only without a normalizer, which ModelTokenizer.segmentable guarantees).
+        passes = (self._pattern([t for t in tokens if not t.normalized]), self._pattern([t for t in tokens if t.normalized]))
+        self._passes = [p for p in passes if p is not None]
+
+    @staticmethod
+    def _pattern(tokens: list[AddedToken]) -> re.Pattern[str] | None:
+        contents = sorted({t.content for t in tokens if t.content}, key=len, reverse=True)
+        # Longest alternative first: at the leftmost match position Python's `re` then picks the longest,
+        # which is aho-corasick's LeftmostLongest.
+        return re.compile("|".join(map(re.escape, contents))) if contents else None
+
+    def split(self, text: str) -> list[Segment]:
+        segments = [Segment(text, None)]
+        for pattern in self._passes:
+            segments = [
+                part for seg in segments for part in (self._split_one(seg.text, pattern) if seg.token_id is None else (seg,))
+            ]
+        return [s for s in segments if s.text or s.token_id is not None]
+
+    def _split_one(self, text: str, pattern: re.Pattern[str]) -> list[Segment]:
+        out: list[Segment] = []
+        start_offset = 0
+        for m in pattern.finditer(text):
+            token = self._by_content[m.group()]
+            start, stop = m.start(), m.end()
+            if token.single_word:
+                before_word = start > 0 and _is_word_char(text[start - 1])
+                after_word = stop < len(text) and _is_word_char(text[stop])
+                if before_word or after_word:
+                    continue
+            if start < start_offset:
+                if not token.lstrip:
+                    raise UnsupportedSplit  # the previous token's rstrip swallowed the start of this match
+                start = start_offset
+            elif token.lstrip:
+                start = _TRAILING_SPACE.search(text, start_offset, start).start()
+            if token.rstrip:
+                stop = _LEADING_SPACE.match(text, stop).end()
+            if start > start_offset:
+                out.append(Segment(text[start_offset:start], None))
+            out.append(Segment(text[start:stop], token.id))
+            start_offset = stop
+        if start_offset < len(text):
+            out.append(Segment(text[start_offset:], None))
+        return out
