@@ -1,0 +1,179 @@
+"""The gateway's YAML configuration, validated with pydantic.
+
+A bad file fails at startup with `ConfigError`, whose message names the offending key and the reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(Exception):
+    """The configuration file cannot be used; the message says which key and why."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+
+
+class TimeoutsConfig(_Strict):
+    """Per-phase limits of one PD request, in seconds."""
+
+    connect_s: float = Field(5.0, gt=0)
+    prefill_s: float = Field(600.0, gt=0, description="dispatch until prefill has answered")
+    first_token_s: float = Field(600.0, gt=0, description="dispatch until decode's first token")
+    idle_s: float = Field(60.0, gt=0, description="longest silence between two decode chunks")
+    total_s: float = Field(1800.0, gt=0, description="whole request, end to end")
+    abort_s: float = Field(5.0, gt=0, description="one /abort_request call")
+
+
+class PrefillWorkerConfig(_Strict):
+    url: str
+    bootstrap_port: int | None = Field(8998, ge=1, le=65535)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        return _validate_worker_url(url)
+
+
+class DecodeWorkerConfig(_Strict):
+    url: str
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        return _validate_worker_url(url)
+
+
+def _validate_worker_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http(s) URL with a host, got {url!r}")
+    return url.rstrip("/")
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1)
+    tokenizer: Path
+    chat_template: Path | None = None
+    context_length: int = Field(gt=1)
+    max_prompt_tokens: int | None = Field(None, gt=0)
+    default_max_tokens: int = Field(256, gt=0)
+    max_output_tokens: int | None = Field(None, gt=0, description="cap on a client's max_tokens")
+    on_pool_mismatch: Literal["refuse", "clamp"] = "refuse"
+    min_engine_version: str = "0.5.22"
+    on_old_engine: Literal["warn", "refuse"] = "warn"
+    prefill: list[PrefillWorkerConfig] = Field(min_length=1)
+    decode: list[DecodeWorkerConfig] = Field(min_length=1)
+
+    @property
+    def configured_prompt_limit(self) -> int:
+        """Largest prompt the configuration alone allows: min(max_prompt_tokens, context_length - 1)."""
+        limit = self.context_length - 1
+        if self.max_prompt_tokens is not None:
+            limit = min(limit, self.max_prompt_tokens)
+        return limit
+
+    @model_validator(mode="after")
+    def _output_fits_context(self) -> ModelConfig:
+        if self.default_max_tokens >= self.context_length:
+            raise ValueError("default_max_tokens must be smaller than context_length")
+        return self
+
+
+class GateConfig(_Strict):
+    """How workers' KV-pool telemetry is checked (see routing.gate)."""
+
+    startup_timeout_s: float = Field(30.0, gt=0)
+    recheck_interval_s: float = Field(30.0, gt=0)
+    start_anyway: bool = Field(False, description="serve other models when one fails the gate; it answers 503")
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(5.0, gt=0)
+    failure_threshold: int = Field(3, ge=1)
+    success_threshold: int = Field(2, ge=1)
+    endpoint: str = "/health"
+
+
+class GatewayConfig(_Strict):
+    listen: ListenConfig = ListenConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    gate: GateConfig = GateConfig()
+    health: HealthConfig = HealthConfig()
+    max_body_bytes: int = Field(64 * 2**20, gt=0)
+    token_cache_bytes: int = Field(64 * 2**20, ge=0)
+    models: list[ModelConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_model_names(self) -> GatewayConfig:
+        names = [m.name for m in self.models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model names must be unique, repeated: {duplicates}")
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a YAML file. Relative tokenizer/template paths resolve against the working directory,
+    then against the file's own folder."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    try:
+        config = GatewayConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {_describe(exc)}") from exc
+    return _resolve_paths(config, path.parent)
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        problems.append(f"{key}: {error['msg']}")
+    return "; ".join(problems)
+
+
+def _resolve_paths(config: GatewayConfig, base: Path) -> GatewayConfig:
+    models = []
+    for index, model in enumerate(config.models):
+        updates: dict[str, Path] = {}
+        for key in ("tokenizer", "chat_template"):
+            value: Path | None = getattr(model, key)
+            if value is None:
+                continue
+            resolved = _existing(value, base)
+            if resolved is None:
+                raise ConfigError(f"models.{index}.{key}: file not found: {value}")
+            updates[key] = resolved
+        models.append(model.model_copy(update=updates))
+    return config.model_copy(update={"models": models})
+
+
+def _existing(path: Path, base: Path) -> Path | None:
+    for candidate in (path, base / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    return None

@@ -1,0 +1,57 @@
+"""Errors the gateway answers with, in OpenAI's error shape.
+
+Every failure becomes a `GatewayError` carrying its HTTP status; nothing maps a failure to 200.
+"""
+
+from __future__ import annotations
+
+import orjson
+from starlette.responses import Response
+
+
+class GatewayError(Exception):
+    """A request failed; `status` and the OpenAI-style body say how."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _default_type(status)
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        return Response(orjson.dumps(self.body()), status_code=self.status, media_type="application/json")
+
+    def sse_event(self) -> bytes:
+        """The error as a final server-sent event, for a stream that has already started."""
+        return b"data: " + orjson.dumps(self.body()) + b"\n\n"
+
+
+def _default_type(status: int) -> str:
+    if status in (400, 404, 405, 413, 415, 422):
+        return "invalid_request_error"
+    if status == 503:
+        return "service_unavailable"
+    if status == 504:
+        return "timeout"
+    return "upstream_error" if status == 502 else "server_error"
+
+
+def bad_request(message: str, *, param: str | None = None, code: str = "invalid_request") -> GatewayError:
+    return GatewayError(400, message, param=param, code=code)
+
+
+def context_length_exceeded(message: str, *, param: str = "messages") -> GatewayError:
+    return GatewayError(413, message, param=param, code="context_length_exceeded")

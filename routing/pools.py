@@ -1,0 +1,54 @@
+"""A model's prefill and decode pools, and the pair chosen for one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from routing.policies import Policy, RoundRobin
+from routing.workers import Worker
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerPair:
+    prefill: Worker
+    decode: Worker
+
+
+class NoWorkerAvailable(Exception):
+    """No usable worker for one of the roles; the message says which and why."""
+
+
+class ModelPool:
+    def __init__(self, name: str, prefill: list[Worker], decode: list[Worker], *,
+                 prefill_policy: Policy | None = None, decode_policy: Policy | None = None) -> None:
+        self.name = name
+        self.prefill = prefill
+        self.decode = decode
+        self._prefill_policy = prefill_policy or RoundRobin()
+        self._decode_policy = decode_policy or RoundRobin()
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [*self.prefill, *self.decode]
+
+    def ready(self) -> bool:
+        return any(w.usable for w in self.prefill) and any(w.usable for w in self.decode)
+
+    def pick_pair(self) -> WorkerPair:
+        prefill = self._prefill_policy.pick([w for w in self.prefill if w.usable])
+        if prefill is None:
+            raise NoWorkerAvailable(f"no usable prefill worker for model {self.name!r} ({_why(self.prefill)})")
+        decode = self._decode_policy.pick([w for w in self.decode if w.usable])
+        if decode is None:
+            raise NoWorkerAvailable(f"no usable decode worker for model {self.name!r} ({_why(self.decode)})")
+        return WorkerPair(prefill, decode)
+
+
+def _why(workers: list[Worker]) -> str:
+    reasons = []
+    for worker in workers:
+        if not worker.admitted:
+            reasons.append(f"{worker.url}: {worker.gate_reason or 'not verified'}")
+        elif not worker.healthy:
+            reasons.append(f"{worker.url}: unhealthy")
+    return "; ".join(reasons) or "none configured"
