@@ -176,6 +176,12 @@ class PDExchange:
                 task.cancel()
 
     def _fail_engine(self, error: EngineError) -> None:
+        if error.status is None and not error.timeout:
+            # A connection failure may be a restart: keep the worker out of rotation until the monitor has read
+            # its telemetry again and it has passed the KV-pool gate.
+            worker = self.pair.prefill if error.role == "prefill" else self.pair.decode
+            worker.admitted = False
+            worker.gate_reason = "connection failed; awaiting re-verification"
         self.fail(map_engine_error(error, self.timeouts))
 
     def _total_timeout(self) -> None:

@@ -1,0 +1,55 @@
+"""`kvgate serve`, `kvgate preflight` and `kvgate demo`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gateway.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvgate", description="Tenant-safe gateway for SGLang PD clusters")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", required=True, help="YAML configuration file")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    preflight = commands.add_parser("preflight", help="check every engine's KV pool against the config, then exit")
+    preflight.add_argument("--config", required=True)
+    preflight.add_argument("--json", action="store_true", help="machine-readable output")
+    demo = commands.add_parser("demo", help="start an emulated prefill/decode pair and the gateway in front of it")
+    demo.add_argument("--config", default=None, help="gateway YAML (default: config/demo.yaml)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            return _serve(args.config, args.log_level)
+        if args.command == "preflight":
+            from gateway.preflight import run_preflight
+            return run_preflight(load_config(args.config), as_json=args.json)
+        from gateway.demo import run_demo
+        return run_demo(args.config)
+    except ConfigError as exc:
+        print(f"kvgate: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _serve(config_path: str, log_level: str) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    config = load_config(config_path)
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.listen.host, port=config.listen.port,
+                                           log_level=log_level, access_log=False, loop="uvloop",
+                                           http="httptools", lifespan="on"))
+    server.run()
+    # uvicorn reports a failed startup (e.g. a model refused by the KV-pool gate) only by not having started.
+    return 0 if server.started else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The running gateway: served models, their worker pools, the engine client and every in-flight exchange."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
+from gateway.admission.chat_template import ChatTemplate
+from gateway.admission.counting import TokenCounter
+from gateway.admission.requests import reject_unknown_model
+from gateway.admission.tokenizer import ModelTokenizer
+from gateway.config import GatewayConfig, ModelConfig
+from gateway.engines import EngineClient
+from gateway.errors import GatewayError, bad_request
+from gateway.lifecycle import InFlight, PDExchange, RoomAllocator
+from gateway.telemetry.metrics import GatewayMetrics
+from routing.gate import ModelJudgement
+from routing.monitor import WorkerMonitor
+from routing.pools import ModelPool, WorkerPair
+from routing.workers import Worker
+
+log = logging.getLogger("kvgate")
+
+
+@dataclass(slots=True)
+class ServedModel:
+    config: ModelConfig
+    admission: Admission
+    pool: ModelPool
+    # Set when the KV-pool gate refuses the model: it then answers 503 with this reason.
+    unavailable: str | None = None
+    # A model refused at startup stays refused until every one of its workers passes again.
+    refused_at_startup: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+def build_model(config: ModelConfig, *, cache_bytes: int) -> ServedModel:
+    """Load the tokenizer and chat template (slow: call off the event loop) and lay out the worker pool."""
+    tokenizer = ModelTokenizer.load(config.tokenizer)
+    template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template)
+    limits = PromptLimits(prompt_tokens=config.configured_prompt_limit, context_length=config.context_length,
+                          default_output_tokens=config.default_max_tokens, max_output_tokens=config.max_output_tokens)
+    admission = Admission(config.name, TokenCounter(tokenizer, cache_bytes=cache_bytes), template, limits)
+    pool = ModelPool(
+        config.name,
+        prefill=[Worker(w.url, "prefill", bootstrap_port=w.bootstrap_port, admitted=False) for w in config.prefill],
+        decode=[Worker(w.url, "decode", admitted=False) for w in config.decode],
+    )
+    return ServedModel(config, admission, pool)
+
+
+class GateRefused(Exception):
+    """A model failed the KV-pool gate at startup and the gateway is not configured to start anyway."""
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.models: dict[str, ServedModel] = {}
+        self.in_flight = InFlight()
+        self.rooms = RoomAllocator()
+        self.metrics = GatewayMetrics()
+        self.engines: EngineClient | None = None
+        self.monitor: WorkerMonitor | None = None
+        self.judgements: dict[str, ModelJudgement] = {}
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        built = await asyncio.gather(*(
+            loop.run_in_executor(None, lambda m=m: build_model(m, cache_bytes=self.config.token_cache_bytes))
+            for m in self.config.models))
+        self.models = {model.name: model for model in built}
+        self.engines = EngineClient(connect_timeout_s=self.config.timeouts.connect_s,
+                                    abort_timeout_s=self.config.timeouts.abort_s)
+        self.metrics.watch_token_caches(
+            lambda: [(m.name, m.admission.counter.cache_stats) for m in self.models.values()])
+        self.monitor = WorkerMonitor(self.engines, [(m.config, m.pool) for m in self.models.values()],
+                                     self.config.health, self._apply_judgement)
+        judgements = await self.monitor.verify_startup(self.config.gate.startup_timeout_s)
+        refused = [j for j in judgements if not j.passes]
+        if refused and not self.config.gate.start_anyway:
+            raise GateRefused("; ".join(f"model {j.config.name!r} refused: {' | '.join(j.reasons)}"
+                                        for j in refused))
+        self.monitor.start()
+
+    async def stop(self) -> None:
+        if self.monitor is not None:
+            await self.monitor.stop()
+        await self.in_flight.drain(timeout_s=5.0)
+        if self.engines is not None:
+            await self.engines.close()
+        for model in self.models.values():
+            model.admission.counter.close()
+
+    def model_for(self, name: str | None) -> ServedModel:
+        if name is None:
+            if len(self.models) != 1:
+                raise bad_request("model is required when the gateway serves several models", param="model")
+            model = next(iter(self.models.values()))
+        else:
+            found = self.models.get(name)
+            if found is None:
+                raise reject_unknown_model(name, list(self.models))
+            model = found
+        if model.unavailable:
+            raise GatewayError(503, f"model {model.name!r} is not served: {model.unavailable}",
+                               code="model_unavailable")
+        return model
+
+    def dispatch(self, pair: WorkerPair, admitted: AdmittedRequest) -> PDExchange:
+        assert self.engines is not None
+        exchange = PDExchange(self.engines, pair, admitted, timeouts=self.config.timeouts,
+                              in_flight=self.in_flight, rooms=self.rooms)
+        exchange.start()
+        return exchange
+
+    def ready(self) -> tuple[bool, dict[str, str]]:
+        """Whether every model has a usable prefill and decode worker, with the reason for each that has not."""
+        problems = {}
+        for model in self.models.values():
+            if model.unavailable:
+                problems[model.name] = model.unavailable
+            elif not model.pool.ready():
+                problems[model.name] = "no usable prefill and decode pair"
+        return not problems, problems
+
+    def _apply_judgement(self, judgement: ModelJudgement, startup: bool) -> None:
+        """Make a judgement take effect before the next request is admitted (called on the event loop)."""
+        model = self.models[judgement.config.name]
+        self.judgements[model.name] = judgement
+        metrics = self.metrics
+        for verdict in judgement.workers:
+            worker, telemetry = verdict.worker, verdict.reading.telemetry
+            labels = (model.name, worker.url, worker.role)
+            if telemetry is not None:
+                worker.telemetry = telemetry
+                metrics.worker_pool_tokens.labels(*labels).set(telemetry.pool_tokens)
+                metrics.worker_max_req_input_len.labels(*labels).set(telemetry.max_req_input_len)
+                if telemetry.context_length is not None:
+                    metrics.worker_context_tokens.labels(*labels).set(telemetry.context_length)
+            if worker.admitted and verdict.problems:
+                log.warning("worker %s leaves rotation for model %s: %s", worker.url, model.name,
+                            "; ".join(verdict.problems))
+            worker.admitted = not verdict.problems
+            worker.gate_reason = "; ".join(verdict.problems)
+            metrics.worker_admitted.labels(*labels).set(1 if worker.admitted else 0)
+            for warning in verdict.warnings:
+                if startup:
+                    log.warning("worker %s (model %s): %s", worker.url, model.name, warning)
+        limits = model.admission.limits
+        if judgement.effective_limit != limits.prompt_tokens or judgement.decode_pool_tokens != limits.decode_pool_tokens:
+            if judgement.verdict == "clamp":
+                log.warning("CLAMPED model %s: %s", model.name, " | ".join(judgement.reasons))
+                metrics.limit_clamps.labels(model.name).inc()
+            model.admission.limits = PromptLimits(
+                prompt_tokens=judgement.effective_limit, context_length=limits.context_length,
+                default_output_tokens=limits.default_output_tokens, max_output_tokens=limits.max_output_tokens,
+                decode_pool_tokens=judgement.decode_pool_tokens)
+        if startup and not judgement.passes:
+            model.refused_at_startup = True
+            log.error("model %s refused: %s", model.name, " | ".join(judgement.reasons))
+        if model.refused_at_startup and not any(v.pool_mismatch or v.problems for v in judgement.workers):
+            model.refused_at_startup = False
+        if model.refused_at_startup:
+            model.unavailable = "refused by the KV-pool gate: " + " | ".join(judgement.reasons or ["see preflight"])
+        elif not judgement.passes:
+            model.unavailable = " | ".join(judgement.reasons)
+        else:
+            model.unavailable = None
+        metrics.model_configured_limit.labels(model.name).set(judgement.configured_limit)
+        metrics.model_effective_limit.labels(model.name).set(model.admission.limits.prompt_tokens)
+        metrics.model_clamped.labels(model.name).set(1 if judgement.verdict == "clamp" else 0)
+        metrics.model_available.labels(model.name).set(0 if model.unavailable else 1)

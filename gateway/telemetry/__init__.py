@@ -1,0 +1,1 @@
+"""Observing the gateway: Prometheus metrics (traces and logs join here later)."""
