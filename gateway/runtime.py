@@ -18,8 +18,7 @@ from gateway.lifecycle import InFlight, PDExchange, RoomAllocator
 from gateway.telemetry.metrics import GatewayMetrics
 from routing.gate import ModelJudgement
 from routing.monitor import WorkerMonitor
-from routing.pools import ModelPool, WorkerPair
-from routing.workers import Worker
+from routing.pools import WorkerPair, pool_for
 
 log = logging.getLogger("kvgate")
 
@@ -46,12 +45,7 @@ def build_model(config: ModelConfig, *, cache_bytes: int) -> ServedModel:
     limits = PromptLimits(prompt_tokens=config.configured_prompt_limit, context_length=config.context_length,
                           default_output_tokens=config.default_max_tokens, max_output_tokens=config.max_output_tokens)
     admission = Admission(config.name, TokenCounter(tokenizer, cache_bytes=cache_bytes), template, limits)
-    pool = ModelPool(
-        config.name,
-        prefill=[Worker(w.url, "prefill", bootstrap_port=w.bootstrap_port, admitted=False) for w in config.prefill],
-        decode=[Worker(w.url, "decode", admitted=False) for w in config.decode],
-    )
-    return ServedModel(config, admission, pool)
+    return ServedModel(config, admission, pool_for(config))
 
 
 class GateRefused(Exception):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.config import ModelConfig
 from routing.policies import Policy, RoundRobin
 from routing.workers import Worker
 
@@ -42,6 +43,15 @@ class ModelPool:
         if decode is None:
             raise NoWorkerAvailable(f"no usable decode worker for model {self.name!r} ({_why(self.decode)})")
         return WorkerPair(prefill, decode)
+
+
+def pool_for(config: ModelConfig) -> ModelPool:
+    """The model's configured workers, none admitted until the KV-pool gate has verified it."""
+    return ModelPool(
+        config.name,
+        prefill=[Worker(w.url, "prefill", bootstrap_port=w.bootstrap_port, admitted=False) for w in config.prefill],
+        decode=[Worker(w.url, "decode", admitted=False) for w in config.decode],
+    )
 
 
 def _why(workers: list[Worker]) -> str:

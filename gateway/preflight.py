@@ -1,0 +1,84 @@
+"""`kvgate preflight`: the KV-pool gate's checks against the running engines, without serving.
+
+Exit status 0 only when every model passes (a configured clamp passes; it is reported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+
+from gateway.config import GatewayConfig
+from gateway.engines import EngineClient
+from routing.gate import ModelJudgement
+from routing.monitor import WorkerMonitor
+from routing.pools import pool_for
+
+
+async def collect(config: GatewayConfig) -> list[ModelJudgement]:
+    engines = EngineClient(connect_timeout_s=config.timeouts.connect_s, abort_timeout_s=config.timeouts.abort_s)
+    try:
+        monitor = WorkerMonitor(engines, [(m, pool_for(m)) for m in config.models], config.health,
+                                lambda judgement, startup: None)
+        return await monitor.verify_startup(config.gate.startup_timeout_s)
+    finally:
+        await engines.close()
+
+
+def run_preflight(config: GatewayConfig, *, as_json: bool) -> int:
+    judgements = asyncio.run(collect(config))
+    print(orjson.dumps(report(judgements), option=orjson.OPT_INDENT_2).decode() if as_json else table(judgements))
+    return 0 if all(j.passes for j in judgements) else 1
+
+
+def report(judgements: list[ModelJudgement]) -> dict[str, Any]:
+    models = []
+    for judgement in judgements:
+        workers = []
+        for verdict in judgement.workers:
+            telemetry = verdict.reading.telemetry
+            workers.append({
+                "url": verdict.worker.url, "role": verdict.worker.role,
+                "reported_mode": telemetry.disaggregation_mode if telemetry else None,
+                "pool_tokens": telemetry.pool_tokens if telemetry else None,
+                "max_req_input_len": telemetry.max_req_input_len if telemetry else None,
+                "context_length": telemetry.context_length if telemetry else None,
+                "page_size": telemetry.page_size if telemetry else None,
+                "version": telemetry.version if telemetry else None,
+                "verdict": verdict.verdict, "problems": verdict.problems, "warnings": verdict.warnings,
+            })
+        models.append({"model": judgement.config.name, "context_length": judgement.config.context_length,
+                       "advertised_prompt_limit": judgement.configured_limit,
+                       "effective_prompt_limit": judgement.effective_limit,
+                       "decode_pool_tokens": judgement.decode_pool_tokens,
+                       "policy": judgement.config.on_pool_mismatch, "verdict": judgement.verdict,
+                       "reasons": judgement.reasons, "workers": workers})
+    return {"ok": all(j.passes for j in judgements), "models": models}
+
+
+def table(judgements: list[ModelJudgement]) -> str:
+    data = report(judgements)
+    lines = []
+    header = ("ROLE", "WORKER", "POOL", "MAX_REQ_INPUT", "CONTEXT", "PAGE", "VERSION", "VERDICT")
+    for model in data["models"]:
+        rows = [header] + [(w["role"], w["url"], _cell(w["pool_tokens"]), _cell(w["max_req_input_len"]),
+                            _cell(w["context_length"]), _cell(w["page_size"]), _cell(w["version"]),
+                            w["verdict"].upper()) for w in model["workers"]]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines.append(f"model {model['model']}: advertised {model['advertised_prompt_limit']} prompt tokens "
+                     f"(context {model['context_length']}), effective {model['effective_prompt_limit']}, "
+                     f"policy {model['policy']} -> {model['verdict'].upper()}")
+        lines.extend("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows)
+        for worker in model["workers"]:
+            for note in worker["problems"] + worker["warnings"]:
+                lines.append(f"  ! {worker['url']}: {note}")
+        lines.extend(f"  => {reason}" for reason in model["reasons"])
+        lines.append("")
+    lines.append("PASS: every model fits its engines' KV pools" if data["ok"] else "FAIL: see the models above")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
