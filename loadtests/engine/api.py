@@ -1,0 +1,246 @@
+"""Generation endpoints: `/generate` (native) and the OpenAI `/v1/chat/completions` and `/v1/completions`.
+
+Parses SGLang's request shapes, drives the Engine, applies injected faults and client-disconnect semantics, and
+writes SGLang's response, stream and error shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from typing import Any
+
+import orjson
+
+from .engine import Engine, Gen, HTTPError
+from .faults import Fault
+from .formats import CHAT, COMPLETION, NATIVE, Format, PromptSpec
+from .httpcore import Request
+from .reqlog import ABORTED, CLIENT_DISCONNECTED, ERROR, FINISHED, ReqRecord
+from .tokenizer import StreamDetokenizer, TokenizeError
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class GenerationAPI:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.cfg = engine.cfg
+        self._pieces: dict[int, str] = {}
+
+    async def generate(self, req: Request) -> None:
+        await self._handle(req, NATIVE)
+
+    async def chat(self, req: Request) -> None:
+        await self._handle(req, CHAT)
+
+    async def completions(self, req: Request) -> None:
+        await self._handle(req, COMPLETION)
+
+    # request flow
+    async def _handle(self, req: Request, fmt: Format) -> None:
+        eng = self.engine
+        try:
+            if fmt is not NATIVE and "application/json" not in req.headers.get("content-type", ""):
+                raise ValueError("Unsupported Media Type: Only 'application/json' is allowed")
+            body = orjson.loads(req.body)
+            if not isinstance(body, dict):
+                raise ValueError("request body must be a JSON object")
+            spec = fmt.parse(body)
+        except (ValueError, TypeError) as e:  # orjson.JSONDecodeError is a ValueError
+            req.respond(400, fmt.error_body(400, str(e), validation=True))
+            return
+        rid = body.get("rid")
+        rec = ReqRecord(rid if isinstance(rid, str) and rid else os.urandom(16).hex(), self.cfg.role, req.path,
+                        spec.stream)
+        room, host, port = body.get("bootstrap_room"), body.get("bootstrap_host"), body.get("bootstrap_port")
+        rec.bootstrap_room, rec.bootstrap_host, rec.bootstrap_port = room, host, port
+        eng.log.add(rec)
+        fault = eng.faults.take("generation", req.path, rec.rid)
+        extra_first_delay = 0.0
+        if fault is not None:
+            rec.fault = fault.action
+            if fault.action == "slow_first_token":
+                extra_first_delay = fault.delay_ms / 1000
+            elif fault.action != "drop" or not spec.stream or fault.after_chunks <= 0:
+                await self._apply_fault(req, fmt, rec, fault)
+                return
+        try:
+            ids = await fmt.tokenize(eng.tok, spec)
+        except TokenizeError as e:
+            rec.finish(ERROR, 400, str(e))
+            req.respond(400, fmt.error_body(400, str(e)))
+            return
+        rec.prompt_tokens = len(ids)
+        gen = Gen(rec, ids, spec.max_new, fmt.default_max_new, host, port, room if isinstance(room, int) else None)
+        gen.task = asyncio.current_task()  # type: ignore[assignment]
+        eng.metrics.num_requests.inc()
+        if spec.stream:
+            await self._stream(req, fmt, spec, gen, fault, extra_first_delay)
+        else:
+            await self._unary(req, fmt, spec, gen, extra_first_delay)
+
+    def _watch_disconnect(self, req: Request, gen: Gen, stream: bool) -> None:
+        """Abort like SGLang when the client leaves: non-stream at the next 4 s `is_disconnected()` poll, stream by
+        the background abort task that runs `stream_abort_delay_s` after the response ends."""
+        eng, cfg = self.engine, self.cfg
+
+        def lost() -> None:
+            rec = gen.rec
+            rec.connection_closed = req.conn.closed_at
+            if rec.outcome is not None:
+                return
+            if stream:
+                delay = cfg.stream_abort_delay_s
+            else:
+                poll = cfg.disconnect_poll_s
+                elapsed = time.time() - rec.arrival
+                delay = math.ceil(elapsed / poll) * poll - elapsed if poll > 0 else 0.0
+            asyncio.get_running_loop().call_later(max(delay, 0.0), eng.abort, gen, CLIENT_DISCONNECTED)
+
+        req.conn.on_lost = lost
+
+    async def _unary(self, req: Request, fmt: Format, spec: PromptSpec, gen: Gen, extra_first_delay: float) -> None:
+        eng, rec = self.engine, gen.rec
+        self._watch_disconnect(req, gen, stream=False)
+        try:
+            eng.admit(gen)
+            await eng.run(gen)
+            n = len(gen.output)
+            if self.cfg.role == "decode":
+                delay = (self.cfg.first_token_delay_ms + max(n - 1, 0) * self.cfg.token_delay_ms) / 1000
+                if delay + extra_first_delay > 0:
+                    await asyncio.sleep(delay + extra_first_delay)
+            text = eng.tok.decode(gen.output)
+            self._account(gen, rec.arrival)
+            rec.completion_tokens = n
+            rec.finish(FINISHED, 200)
+            req.respond(200, fmt.ok_body(gen, text, self._finish_reason(gen), spec, self.cfg))
+        except HTTPError as e:
+            rec.finish(ERROR, e.status, e.message)
+            req.respond(e.status, fmt.error_body(e.status, e.message))
+        except asyncio.CancelledError:
+            if not self._took_abort(gen):
+                raise
+            if gen.abort_reason == CLIENT_DISCONNECTED:
+                rec.finish(CLIENT_DISCONNECTED, None)
+            else:
+                rec.finish(ABORTED, 200)
+                req.respond(200, fmt.ok_body(gen, "", _ABORT_FINISH, spec, self.cfg))
+        finally:
+            req.conn.on_lost = None
+            eng.release(gen)
+
+    async def _stream(self, req: Request, fmt: Format, spec: PromptSpec, gen: Gen, fault: Fault | None,
+                      extra_first_delay: float) -> None:
+        """Headers go out at once (StreamingResponse); errors after that are chunks inside an HTTP 200."""
+        eng, rec, cfg = self.engine, gen.rec, self.cfg
+        req.start_stream()
+        self._watch_disconnect(req, gen, stream=True)
+        drop_after = fault.after_chunks if fault is not None and fault.action == "drop" else None
+        sent = 0
+        try:
+            eng.admit(gen)
+            await eng.run(gen)
+            detok = StreamDetokenizer(eng.tok, self._pieces)
+            state = fmt.stream_state(gen, spec, cfg)
+            batch: list[bytes] = fmt.stream_head(state)
+            first_delay = (cfg.first_token_delay_ms / 1000 if cfg.role == "decode" else 0.0) + extra_first_delay
+            token_delay = cfg.token_delay_ms / 1000 if cfg.role == "decode" else 0.0
+            n = len(gen.output)
+            for i, tok in enumerate(gen.output):
+                delay = first_delay if i == 0 else token_delay
+                if delay > 0:  # zero delays: coalesce the chunks into one write, as a batched detokenizer would
+                    sent = await self._flush(req, batch, sent, drop_after, gen)
+                    await asyncio.sleep(delay)
+                last = i == n - 1
+                batch.append(fmt.stream_token(state, i, detok.push(tok), self._finish_reason(gen) if last else None))
+            if n == 0:
+                batch.append(fmt.stream_token(state, -1, "", self._finish_reason(gen)))
+            self._account(gen, rec.arrival)
+            rec.completion_tokens = n
+            batch.extend(fmt.stream_tail(state))
+            batch.append(_DONE)
+            sent = await self._flush(req, batch, sent, drop_after, gen)
+            rec.finish(FINISHED, 200)
+            req.end_stream()
+        except HTTPError as e:
+            rec.finish(ERROR, e.status, e.message)
+            if req.send_chunk(fmt.stream_error(e.status, e.message) + _DONE):
+                req.end_stream()
+        except asyncio.CancelledError:
+            if not self._took_abort(gen):
+                raise
+            if gen.abort_reason == CLIENT_DISCONNECTED:
+                rec.finish(CLIENT_DISCONNECTED, None)
+            else:
+                rec.finish(ABORTED, 200)
+                state = fmt.stream_state(gen, spec, cfg)
+                if req.send_chunk(fmt.stream_token(state, -1, "", _ABORT_FINISH) + _DONE):
+                    req.end_stream()
+        finally:
+            req.conn.on_lost = None
+            eng.release(gen)
+
+    async def _flush(self, req: Request, batch: list[bytes], sent: int, drop_after: int | None, gen: Gen) -> int:
+        if not batch:
+            return sent
+        if drop_after is not None and sent + len(batch) >= drop_after:
+            for chunk in batch[:drop_after - sent]:
+                req.send_chunk(chunk)
+            gen.rec.finish(ERROR, 200, "connection dropped by fault")
+            req.conn.abort()
+            raise asyncio.CancelledError  # handled as a disconnect below
+        ok = req.send_chunk(b"".join(batch))
+        sent += len(batch)
+        batch.clear()
+        if not ok:
+            await asyncio.Future()  # the write failed: hold the pages until the scheduled abort cancels us
+        return sent
+
+    def _took_abort(self, gen: Gen) -> bool:
+        """A cancellation we caused (abort or fault) rather than a server shutdown."""
+        task = asyncio.current_task()
+        if gen.abort_reason is not None or gen.rec.outcome is not None:
+            if task is not None and task.cancelling():
+                task.uncancel()
+            if gen.abort_reason is None:
+                gen.abort_reason = CLIENT_DISCONNECTED
+            return True
+        return False
+
+    def _finish_reason(self, gen: Gen) -> dict[str, Any]:
+        if self.cfg.role == "prefill":
+            return {"type": "length", "length": 0}
+        return {"type": "length", "length": len(gen.output)}
+
+    def _account(self, gen: Gen, arrival: float) -> None:
+        m, now = self.engine.metrics, time.time()
+        m.prompt_tokens.inc(len(gen.input_ids))
+        m.generation_tokens.inc(len(gen.output))
+        m.ttft.observe(now - arrival)
+        m.e2e.observe(now - arrival)
+        self.engine.note_generated(len(gen.output))
+
+    async def _apply_fault(self, req: Request, fmt: Format, rec: ReqRecord, fault: Fault) -> None:
+        if fault.delay_ms > 0 and fault.action != "hang":
+            await asyncio.sleep(fault.delay_ms / 1000)
+        if fault.action == "fail":
+            rec.finish(ERROR, fault.status, fault.message)
+            req.respond(fault.status, fmt.error_body(fault.status, fault.message))
+        elif fault.action == "drop":
+            rec.finish(ERROR, None, "connection dropped by fault")
+            req.conn.abort()
+        elif fault.action == "hang":
+            await req.wait_closed()
+            rec.connection_closed = req.conn.closed_at
+            rec.finish(CLIENT_DISCONNECTED, None)
+
+
+_ABORT_FINISH = {"type": "abort", "message": "Abort by /abort_request", "status_code": None, "err_type": None}

@@ -1,0 +1,97 @@
+"""`python -m loadtests.engine`: argument parsing, startup, the ready line, clean SIGTERM exit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from .config import EngineConfig
+
+
+def parse_args(argv: list[str] | None = None) -> EngineConfig:
+    p = argparse.ArgumentParser(prog="python -m loadtests.engine",
+                                description="SGLang prefill/decode engine emulator (see loadtests/README.md)")
+    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--bootstrap-port", type=int, default=8998,
+                   help="prefill: where the bootstrap server listens; decode: used when a request's "
+                        "bootstrap_port is null")
+    p.add_argument("--model", required=True, help="served model name (also reported as model_path)")
+    p.add_argument("--pool-tokens", type=int, required=True, help="KV pool size in tokens (max_total_num_tokens)")
+    p.add_argument("--context-length", type=int, required=True)
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json, tokenizer.json.gz or a tokenizer directory")
+    p.add_argument("--chat-template", default=None,
+                   help="jinja chat template (default: chat_template.jinja next to the tokenizer, if any)")
+    p.add_argument("--bug", action=argparse.BooleanOptionalAction, default=True,
+                   help="0.5.8 behaviour (default); --no-bug: 0.5.22+ admission rejects over-long prompts with 400")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="prefill compute speed; 0 = instant")
+    p.add_argument("--first-token-delay-ms", type=float, default=0.0, help="decode: extra delay before token 1")
+    p.add_argument("--token-delay-ms", type=float, default=0.0, help="decode: delay between output tokens")
+    p.add_argument("--version", default="0.5.8", help="reported SGLang version")
+    p.add_argument("--bootstrap-timeout-s", type=float, default=300.0,
+                   help="SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: prefill waits this long for the decode")
+    p.add_argument("--waiting-timeout-s", type=float, default=300.0,
+                   help="SGLANG_DISAGGREGATION_WAITING_TIMEOUT: decode waits this long for the transfer")
+    p.add_argument("--enable-metrics", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--disconnect-poll-s", type=float, default=4.0,
+                   help="SGLANG_REQUEST_STATE_WAIT_TIMEOUT: non-stream disconnects are noticed on this period")
+    p.add_argument("--stream-abort-delay-s", type=float, default=2.0,
+                   help="a stream whose client left is aborted this long after (create_abort_task)")
+    p.add_argument("--health-delay-s", type=float, default=1.0,
+                   help="/health and /health_generate answer after this long (SGLang polls every 1 s)")
+    p.add_argument("--request-log-size", type=int, default=200_000, help="records kept for /emu/requests")
+    a = p.parse_args(argv)
+    if a.pool_tokens < a.page_size or a.context_length < 8:
+        p.error("--pool-tokens must hold at least one page and --context-length must be >= 8")
+    return EngineConfig(
+        role=a.role, host=a.host, port=a.port, bootstrap_port=a.bootstrap_port, model=a.model,
+        pool_tokens=a.pool_tokens, context_length=a.context_length, page_size=a.page_size, tokenizer=a.tokenizer,
+        chat_template=a.chat_template, bug=a.bug, prefill_tokens_per_s=a.prefill_tokens_per_s,
+        first_token_delay_ms=a.first_token_delay_ms, token_delay_ms=a.token_delay_ms, version=a.version,
+        bootstrap_timeout_s=a.bootstrap_timeout_s, waiting_timeout_s=a.waiting_timeout_s,
+        enable_metrics=a.enable_metrics, disconnect_poll_s=a.disconnect_poll_s,
+        stream_abort_delay_s=a.stream_abort_delay_s, health_delay_s=a.health_delay_s,
+        request_log_size=a.request_log_size)
+
+
+async def serve(cfg: EngineConfig) -> None:
+    from .app import bootstrap_server, main_server
+    from .engine import Engine
+    from .tokenizer import PromptTokenizer
+
+    engine = Engine(cfg, PromptTokenizer(cfg.tokenizer, cfg.chat_template))
+    servers = [main_server(engine)]
+    await servers[0].start(cfg.host, cfg.port)
+    if cfg.role == "prefill":
+        servers.append(bootstrap_server(engine))
+        await servers[1].start(cfg.host, cfg.bootstrap_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    bp = f" bootstrap_port={cfg.bootstrap_port}" if cfg.role == "prefill" else ""
+    print(f"kvgate-engine ready role={cfg.role} host={cfg.host} port={cfg.port}{bp} pid={os.getpid()}", flush=True)
+    await stop.wait()
+    engine.links.close()
+    engine.rooms.close_channels()
+    for s in servers:
+        await s.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:  # uvloop is optional (not on Windows)
+        pass
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as e:
+        print(f"kvgate-engine: cannot start: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -1,0 +1,45 @@
+"""Engine settings (one per process) and the limits SGLang derives from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's FAKE transfer backend: health checks and warmup skip the KV handoff
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    role: str  # "prefill" | "decode"
+    host: str
+    port: int
+    bootstrap_port: int
+    model: str
+    pool_tokens: int
+    context_length: int
+    page_size: int
+    tokenizer: str
+    chat_template: str | None
+    bug: bool
+    prefill_tokens_per_s: float
+    first_token_delay_ms: float
+    token_delay_ms: float
+    version: str
+    bootstrap_timeout_s: float
+    waiting_timeout_s: float
+    enable_metrics: bool
+    disconnect_poll_s: float
+    stream_abort_delay_s: float
+    health_delay_s: float
+    request_log_size: int
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.pool_tokens // self.page_size * self.page_size
+
+    @property
+    def max_req_len(self) -> int:
+        return min(self.context_length - 1, self.max_total_num_tokens - 1)
+
+    @property
+    def max_req_input_len(self) -> int:
+        return self.max_req_len - 5

@@ -1,0 +1,272 @@
+"""Request lifecycle of an SGLang PD server (0.5.8 semantics, or the fixed admission of 0.5.22+ with --no-bug).
+
+Validation order follows SGLang: tokenizer-layer context checks, then the scheduler (missing bootstrap room, then
+`max_req_input_len`). In bug mode a prompt over `max_req_input_len` is swapped for a one-token stub whose pending
+400 (`to_finish`) the PD queues ignore: the prefill answers 200 after a one-token handoff, the decode answers 400 only
+if it rejected too, and otherwise generates over KV pages the handoff never wrote (§2.6 of the protocol notes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .config import FAKE_BOOTSTRAP_HOST, EngineConfig
+from .faults import FaultSet
+from .kvlink import Claim, DecodeLinks, RoomRegistry, RoomRejected, TransferFailed
+from .kvpool import KVPool
+from .metrics import Metrics
+from .model import first_token, generate
+from .reqlog import ABORTED, ReqRecord, RequestLog
+from .tokenizer import PromptTokenizer
+
+
+class HTTPError(Exception):
+    """An SGLang error answer: `status` and the message SGLang would put in the body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Aborted(Exception):
+    """The request was aborted (`/abort_request` or client disconnect) while the engine worked on it."""
+
+
+class Gen:
+    """One in-flight generation request."""
+
+    __slots__ = ("rec", "rid", "input_ids", "kv_ids", "max_new", "max_new_given", "room", "host", "port",
+                 "to_finish", "pages", "kv_tokens", "positions", "first", "output", "task", "abort_reason",
+                 "queue")
+
+    def __init__(self, rec: ReqRecord, input_ids: list[int], max_new: int | None, default_max_new: int,
+                 host: str | None, port: int | None, room: int | None) -> None:
+        self.rec = rec
+        self.rid = rec.rid
+        self.input_ids = input_ids
+        self.kv_ids = input_ids  # what the scheduler actually runs (the stub in bug mode)
+        self.max_new_given = max_new is not None
+        self.max_new = default_max_new if max_new is None else max_new
+        self.host = host
+        self.port = port
+        self.room = room
+        self.to_finish: str | None = None
+        self.pages: list[int] | None = None
+        self.kv_tokens = 0
+        self.positions: list[int] = []
+        self.first = 0
+        self.output: list[int] = []
+        self.task: asyncio.Task[None] | None = None
+        self.abort_reason: str | None = None
+        self.queue = ""  # which PD queue it sits in, for the queue gauges
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, tok: PromptTokenizer) -> None:
+        self.cfg = cfg
+        self.tok = tok
+        self.pool = KVPool(cfg.pool_tokens, cfg.page_size)
+        self.metrics = Metrics(cfg.model, cfg.role)
+        self.faults = FaultSet()
+        self.log = RequestLog(cfg.request_log_size)
+        self.inflight: dict[str, Gen] = {}
+        self.rooms = RoomRegistry(cfg.bootstrap_timeout_s)
+        self.links = DecodeLinks()
+        self.started = time.time()
+        self.gen_tokens_window = [time.monotonic(), 0]  # for gen_throughput
+
+    # admission
+    def admit(self, gen: Gen) -> None:
+        """Tokenizer-layer and scheduler checks; raises HTTPError for an immediate rejection."""
+        cfg, L = self.cfg, len(gen.input_ids)
+        if L >= cfg.context_length:
+            raise HTTPError(400, f"The input ({L} tokens) is longer than the model's context length "
+                                 f"({cfg.context_length} tokens).")
+        if gen.max_new_given and L + gen.max_new >= cfg.context_length:
+            raise HTTPError(400, f"Requested token count exceeds the model's maximum context length of "
+                                 f"{cfg.context_length} tokens. You requested a total of {L + gen.max_new} tokens: "
+                                 f"{L} tokens from the input messages and {gen.max_new} tokens for the completion. "
+                                 f"Please reduce the number of tokens in the input messages or the completion to "
+                                 f"fit within the limit.")
+        if gen.room is None:
+            raise HTTPError(400, "Invalid request: Disaggregated request received without boostrap room id. "
+                                 f"req.rid={gen.rid}")
+        if L >= cfg.max_req_input_len:
+            msg = (f"Input length ({L} tokens) exceeds the maximum allowed length ({cfg.max_req_input_len} tokens). "
+                   "Use a shorter input or enable --allow-auto-truncate.")
+            if not cfg.bug:
+                self._notify_peer_reject(gen, msg)
+                raise HTTPError(400, msg)
+            gen.to_finish = msg  # set_finish_with_abort: verdict pending, prompt replaced by a one-token stub
+            gen.kv_ids = [0]
+        gen.max_new = max(0, min(gen.max_new, cfg.max_req_len - L - 1))
+        if cfg.role == "prefill":
+            gen.max_new = 1
+
+    def _notify_peer_reject(self, gen: Gen, msg: str) -> None:
+        """Fixed mode: tell the other half before any transfer, so neither side waits out its timeout."""
+        if gen.host == FAKE_BOOTSTRAP_HOST or gen.room is None:
+            return
+        if self.cfg.role == "prefill":
+            self.rooms.reject_from_prefill(gen.room, msg)
+        else:
+            asyncio.ensure_future(self._send_reject(gen.host or "127.0.0.1", self._peer_port(gen), gen.room, msg))
+
+    async def _send_reject(self, host: str, port: int, room: int, msg: str) -> None:
+        try:
+            (await self.links.get(host, port)).reject(room, msg)
+        except OSError:
+            pass  # best effort: the prefill will time out on its own
+
+    def _peer_port(self, gen: Gen) -> int:
+        return gen.port if gen.port is not None else self.cfg.bootstrap_port
+
+    # roles
+    async def run(self, gen: Gen) -> None:
+        """Run admission-passed `gen` up to its output tokens (gen.output); raises HTTPError or Aborted."""
+        self.inflight[gen.rid] = gen
+        if self.cfg.role == "prefill":
+            await self._prefill(gen)
+        else:
+            await self._decode(gen)
+
+    async def _prefill(self, gen: Gen) -> None:
+        cfg, room_id = self.cfg, gen.room
+        assert room_id is not None
+        claim: Claim | None = None
+        if gen.host != FAKE_BOOTSTRAP_HOST:
+            room = self.rooms.room_for_request(room_id)
+            gen.queue = "bootstrap"
+            try:
+                remaining = cfg.bootstrap_timeout_s - (time.time() - gen.rec.arrival)
+                async with asyncio.timeout(max(0.0, remaining)):
+                    claim = await room.claim
+            except TimeoutError:
+                self.metrics.bootstrap_failed.inc()
+                raise HTTPError(500, f"Prefill bootstrap failed for request rank=0 req.rid={gen.rid} "
+                                     f"req.bootstrap_room={room_id}") from None
+            except RoomRejected as e:
+                raise HTTPError(400, str(e)) from None
+            finally:
+                self.rooms.release(room_id, room)
+        n = len(gen.kv_ids)
+        gen.queue = "inflight"
+        await self._alloc(gen, n)
+        if cfg.prefill_tokens_per_s > 0:
+            await asyncio.sleep(n / cfg.prefill_tokens_per_s)
+        pos = gen.positions
+        self.pool.write(pos, gen.kv_ids)
+        gen.first = first_token(self.pool, pos)
+        gen.output = [gen.first]
+        if claim is not None:
+            if claim.channel.transport is None or claim.channel.transport.is_closing():
+                self.metrics.transfer_failed.inc()
+                raise HTTPError(500, f"Prefill transfer failed for request rank=0 req.rid={gen.rid} "
+                                     f"req.bootstrap_room={room_id}")
+            # the Mooncake sender truncates to the destination length the decode pre-allocated
+            sent = self.pool.read(pos[:min(n, claim.dst)])
+            claim.channel.send({"room": room_id, "ok": True, "ids": sent, "first": gen.first})
+            gen.rec.transferred_tokens = len(sent)
+        gen.queue = ""
+
+    async def _decode(self, gen: Gen) -> None:
+        cfg, room_id = self.cfg, gen.room
+        assert room_id is not None
+        link = None
+        if gen.host != FAKE_BOOTSTRAP_HOST:
+            host, port = gen.host or "127.0.0.1", self._peer_port(gen)
+            try:
+                link = await self.links.get(host, port)
+            except OSError:
+                self.metrics.bootstrap_failed.inc()
+                raise HTTPError(500, f"Decode transfer failed for request rank=0 req.rid={gen.rid} "
+                                     f"req.bootstrap_room={room_id} with exception Could not fetch prefill parallel "
+                                     f"info from bootstrap_addr: {host}:{port}") from None
+        n = len(gen.kv_ids)
+        gen.queue = "prealloc"
+        await self._alloc(gen, n + gen.max_new)  # waits silently until the pages fit
+        pos = gen.positions
+        if link is not None:
+            gen.queue = "transfer"
+            fut = link.claim(room_id, n)
+            t0 = time.monotonic()
+            try:
+                async with asyncio.timeout(cfg.waiting_timeout_s):
+                    frame = await fut
+            except TimeoutError:
+                link.abort(room_id)
+                self.metrics.transfer_failed.inc()
+                raise HTTPError(500, f"Decode transfer failed for request rank=0 req.rid={gen.rid} "
+                                     f"req.bootstrap_room={room_id} with exception Request {room_id} timed out after "
+                                     f"{time.monotonic() - t0:.1f}s in KVPoll.WaitingForInput") from None
+            except TransferFailed as e:
+                self.metrics.transfer_failed.inc()
+                raise HTTPError(e.status, f"Decode transfer failed for request rank=0 req.rid={gen.rid} "
+                                          f"req.bootstrap_room={room_id} with exception {e}") from None
+            except asyncio.CancelledError:
+                link.abort(room_id)
+                raise
+            if not frame["ok"]:
+                raise HTTPError(frame["status"], frame["msg"])
+            ids = frame["ids"]
+            self.pool.write(pos[:len(ids)], ids)
+            gen.rec.transferred_tokens = len(ids)
+            gen.first = frame["first"]
+        else:
+            gen.first = self.pool.slots[pos[0]]  # FAKE backend: nothing is transferred
+        gen.queue = ""
+        if gen.to_finish is not None:  # check_finished applies the pending abort after the first step
+            raise HTTPError(400, gen.to_finish)
+        gen.output = generate(self.pool, pos[:len(gen.input_ids)], gen.first, gen.max_new)
+        self.pool.write(pos[n:n + len(gen.output)], gen.output)  # decode writes KV for what it generates
+
+    async def _alloc(self, gen: Gen, tokens: int) -> None:
+        gen.pages = await self.pool.alloc(tokens)
+        gen.kv_tokens = tokens
+        gen.positions = self.pool.positions(gen.pages, tokens)
+
+    def release(self, gen: Gen) -> None:
+        """Free the request's pages (contents stay) and forget it."""
+        if gen.pages is not None:
+            self.pool.free(gen.pages, gen.kv_tokens)
+            gen.pages = None
+        if self.inflight.get(gen.rid) is gen:
+            del self.inflight[gen.rid]
+
+    # abort
+    def abort(self, gen: Gen, reason: str) -> None:
+        """Abort `gen` wherever it waits; the handler turns the cancellation into Aborted."""
+        if gen.abort_reason is None and gen.rec.outcome is None:
+            gen.abort_reason = reason
+            self.metrics.num_aborted.inc()
+            if gen.task is not None and not gen.task.done():
+                gen.task.cancel()
+
+    def abort_prefix(self, prefix: str, abort_all: bool) -> int:
+        victims = [g for rid, g in self.inflight.items() if abort_all or rid.startswith(prefix)]
+        for g in victims:
+            self.abort(g, ABORTED)
+        return len(victims)
+
+    # load figures
+    def queue_counts(self) -> dict[str, int]:
+        counts = {"bootstrap": 0, "inflight": 0, "prealloc": 0, "transfer": 0, "": 0}
+        for g in self.inflight.values():
+            counts[g.queue] = counts.get(g.queue, 0) + 1
+        return counts
+
+    def waiting_tokens(self) -> int:
+        return sum(len(g.kv_ids) for g in self.inflight.values() if g.queue in ("bootstrap", "prealloc", "transfer"))
+
+    def note_generated(self, n: int) -> None:
+        self.gen_tokens_window[1] += n
+
+    def gen_throughput(self) -> float:
+        t0, n = self.gen_tokens_window
+        now = time.monotonic()
+        rate = n / max(now - t0, 1e-9)
+        if now - t0 > 10:
+            self.gen_tokens_window[:] = [now, 0]
+        return rate

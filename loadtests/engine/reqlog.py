@@ -1,0 +1,63 @@
+"""Per-request records served by `GET /emu/requests`."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+FINISHED = "finished"
+CLIENT_DISCONNECTED = "client_disconnected"
+ABORTED = "aborted"
+ERROR = "error"
+
+
+class ReqRecord:
+    __slots__ = ("rid", "role", "path", "stream", "bootstrap_room", "bootstrap_host", "bootstrap_port", "arrival",
+                 "end", "outcome", "status", "error", "prompt_tokens", "completion_tokens", "transferred_tokens",
+                 "connection_closed", "fault")
+
+    def __init__(self, rid: str, role: str, path: str, stream: bool) -> None:
+        self.rid = rid
+        self.role = role
+        self.path = path
+        self.stream = stream
+        self.bootstrap_room: int | None = None
+        self.bootstrap_host: str | None = None
+        self.bootstrap_port: int | None = None
+        self.arrival = time.time()
+        self.end: float | None = None
+        self.outcome: str | None = None  # None while in flight
+        self.status: int | None = None
+        self.error: str | None = None
+        self.prompt_tokens: int | None = None
+        self.completion_tokens = 0
+        self.transferred_tokens: int | None = None
+        self.connection_closed: float | None = None
+        self.fault: str | None = None
+
+    def finish(self, outcome: str, status: int | None, error: str | None = None) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            self.status = status
+            self.error = error
+            self.end = time.time()
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class RequestLog:
+    def __init__(self, maxlen: int) -> None:
+        self.records: deque[ReqRecord] = deque(maxlen=maxlen)
+
+    def add(self, rec: ReqRecord) -> None:
+        self.records.append(rec)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def query(self, rid_prefix: str | None = None, room: int | None = None) -> list[dict[str, Any]]:
+        return [r.to_json() for r in self.records
+                if (rid_prefix is None or r.rid.startswith(rid_prefix))
+                and (room is None or r.bootstrap_room == room)]
