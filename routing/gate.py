@@ -66,14 +66,13 @@ def judge_model(config: ModelConfig, readings: dict[Worker, Reading], *, startup
     if config.on_pool_mismatch == "refuse":
         for judgement in mismatches:
             judgement.problems.append(_mismatch_text(judgement, configured))
-        effective = configured
-    else:
-        admitted_limits = [j.reading.telemetry.max_req_input_len - 1 for j in judgements
-                           if not j.problems and j.reading.telemetry is not None]
-        effective = min([configured, *admitted_limits])
-        if effective < configured:
-            reasons.append(f"clamped from {configured} to {effective} prompt tokens: "
-                           + "; ".join(_mismatch_text(j, configured) for j in mismatches))
+    # Safety first, whatever the policy: never admit a prompt some admitted worker's scheduler would abort.
+    admitted_limits = [j.reading.telemetry.max_req_input_len - 1 for j in judgements
+                       if not j.problems and j.reading.telemetry is not None]
+    effective = min([configured, *admitted_limits])
+    if mismatches and config.on_pool_mismatch == "clamp":
+        reasons.append(f"clamped from {configured} to {effective} prompt tokens: "
+                       + "; ".join(_mismatch_text(j, configured) for j in mismatches))
     admitted = [j for j in judgements if not j.problems]
     for role in ("prefill", "decode"):
         if not any(j.worker.role == role for j in admitted):
@@ -84,7 +83,7 @@ def judge_model(config: ModelConfig, readings: dict[Worker, Reading], *, startup
         verdict: Verdict = "refuse"
     elif any(r.startswith("no usable") for r in reasons):
         verdict = "refuse"
-    elif effective < configured:
+    elif mismatches and config.on_pool_mismatch == "clamp":
         verdict = "clamp"
     else:
         verdict = "warn" if any(j.warnings or j.problems for j in judgements) else "pass"
@@ -113,7 +112,9 @@ def _judge_worker(config: ModelConfig, worker: Worker, reading: Reading, configu
     if telemetry.context_length is not None and telemetry.context_length < config.context_length:
         judgement.warnings.append(f"engine context length {telemetry.context_length} is below the advertised "
                                   f"{config.context_length}")
-    judgement.pool_mismatch = telemetry.max_req_input_len - 1 < configured
+    # SGLang's max_req_len = min(context - 1, pool - 1) is what the engine holds; its scheduler then keeps 5 more
+    # tokens back. A limit within that reserve is lowered silently; a limit beyond what the pool holds is a mismatch.
+    judgement.pool_mismatch = telemetry.max_req_input_len + 5 < configured
     return judgement
 
 

@@ -1,0 +1,130 @@
+"""Run a real kvgate (uvicorn on loopback, in a thread of the test process) against emulated engines."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+import yaml
+
+from gateway.app import create_app
+from gateway.config import load_config
+from gateway.runtime import Gateway
+
+ROOT = Path(__file__).resolve().parent.parent
+GLM5_TOKENIZER = ROOT / "config/models/glm-5/tokenizer.json.gz"
+GLM5_TEMPLATE = ROOT / "config/models/glm-5/chat_template.jinja"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def model_entry(name: str, prefill: list[Any], decode: list[Any], **overrides: Any) -> dict[str, Any]:
+    """A model block for engines started by the emulator harness (objects with .url and .bootstrap_port)."""
+    entry = {
+        "name": name, "tokenizer": str(GLM5_TOKENIZER), "chat_template": str(GLM5_TEMPLATE),
+        "context_length": 8192,
+        "prefill": [{"url": e.url, "bootstrap_port": e.bootstrap_port} for e in prefill],
+        "decode": [{"url": e.url} for e in decode],
+    }
+    entry.update(overrides)
+    return entry
+
+
+def write_config(directory: Path, models: list[dict[str, Any]], **overrides: Any) -> Path:
+    document: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "health": {"interval_s": 0.2, "timeout_s": 2.0, "failure_threshold": 1, "success_threshold": 1},
+        "gate": {"startup_timeout_s": 5.0},
+        "models": models,
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(document.get(key), dict):
+            document[key] = {**document[key], **value}
+        else:
+            document[key] = value
+    path = directory / f"kvgate-{document['listen']['port']}.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+class RunningGateway:
+    def __init__(self, server: uvicorn.Server, gateway: Gateway, thread: threading.Thread, port: int) -> None:
+        self.server = server
+        self.gateway = gateway
+        self.thread = thread
+        self.url = f"http://127.0.0.1:{port}"
+
+    def call(self, function: Any, *args: Any) -> Any:
+        """Run `function(*args)` on the gateway's event loop and return its result (for poking at state)."""
+        loop = self.server_loop
+        future = asyncio.run_coroutine_threadsafe(_call(function, *args), loop)
+        return future.result(timeout=10)
+
+    @property
+    def server_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+async def _call(function: Any, *args: Any) -> Any:
+    result = function(*args)
+    if asyncio.iscoroutine(result):
+        result = await result
+    return result
+
+
+@contextmanager
+def running_gateway(config_path: Path) -> Iterator[RunningGateway]:
+    gateway = start_gateway(config_path)
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+def start_gateway(config_path: Path, *, timeout_s: float = 30.0) -> RunningGateway:
+    """Start kvgate; raises RuntimeError (with the startup error) when it does not come up."""
+    config = load_config(config_path)
+    gateway = Gateway(config)
+    app = create_app(config, gateway)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.listen.host, port=config.listen.port, log_level="warning",
+                                           access_log=False, loop="asyncio", lifespan="on"))
+    errors: list[BaseException] = []
+    holder: dict[str, asyncio.AbstractEventLoop] = {}
+
+    def serve() -> None:
+        loop = asyncio.new_event_loop()
+        holder["loop"] = loop
+        try:
+            loop.run_until_complete(server.serve())
+        except BaseException as exc:  # SystemExit from a failed lifespan included
+            errors.append(exc)
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=serve, name="kvgate-test-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            thread.join(timeout=5)
+            raise RuntimeError(f"gateway did not start: {errors or 'timeout'}")
+        time.sleep(0.02)
+    running = RunningGateway(server, gateway, thread, config.listen.port)
+    running._loop = holder["loop"]
+    return running

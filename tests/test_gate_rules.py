@@ -1,0 +1,92 @@
+"""The KV-pool contract, judged from engine readings (pure rules; the end-to-end tests run real engines)."""
+
+from dataclasses import replace
+
+from gateway.config import ModelConfig
+from routing.gate import judge_model, version_tuple
+from routing.telemetry import Reading
+from routing.workers import Worker, WorkerTelemetry
+from tests.gateway_harness import GLM5_TOKENIZER
+
+
+def _config(**overrides: object) -> ModelConfig:
+    base = {"name": "glm-5", "tokenizer": GLM5_TOKENIZER, "context_length": 8192,
+            "prefill": [{"url": "http://p:1"}], "decode": [{"url": "http://d:1"}]}
+    return ModelConfig.model_validate({**base, **overrides})
+
+
+def _telemetry(role: str, pool: int, context: int = 8192, version: str = "0.5.23") -> WorkerTelemetry:
+    return WorkerTelemetry(pool_tokens=pool, max_req_input_len=min(context - 1, pool - 1) - 5, context_length=context,
+                           page_size=1, version=version, disaggregation_mode=role, served_model_name="glm-5",
+                           tokenizer_path="/models/glm-5")
+
+
+def _readings(prefill_pool: int, decode_pool: int, **kw: str) -> dict[Worker, Reading]:
+    return {Worker("http://p:1", "prefill"): Reading(_telemetry("prefill", prefill_pool, **kw)),
+            Worker("http://d:1", "decode"): Reading(_telemetry("decode", decode_pool, **kw))}
+
+
+def test_pool_large_enough_passes_with_configured_limit() -> None:
+    judgement = judge_model(_config(), _readings(100_000, 100_000), startup=True)
+    assert judgement.verdict == "pass"
+    assert judgement.effective_limit == 8185  # the engine keeps 5 tokens back: max_req_input_len - 1
+
+
+def test_pool_below_context_refuses_by_default_naming_worker_and_pool() -> None:
+    judgement = judge_model(_config(), _readings(4096, 100_000), startup=True)
+    assert judgement.verdict == "refuse"
+    assert "http://p:1" in judgement.reasons[0] and "4096" in judgement.reasons[0]
+
+
+def test_clamp_moves_limit_to_smallest_max_req_input_len_minus_one() -> None:
+    judgement = judge_model(_config(on_pool_mismatch="clamp"), _readings(4096, 100_000), startup=True)
+    assert judgement.verdict == "clamp"
+    assert judgement.effective_limit == 4089  # min(8191, 4095) - 5 - 1
+
+
+def test_asymmetric_pools_minimum_wins() -> None:
+    judgement = judge_model(_config(on_pool_mismatch="clamp"), _readings(6000, 3000), startup=True)
+    assert judgement.effective_limit == 3000 - 1 - 5 - 1
+    assert judgement.decode_pool_tokens == 3000
+
+
+def test_explicit_max_prompt_tokens_that_fits_is_no_mismatch() -> None:
+    judgement = judge_model(_config(max_prompt_tokens=4000), _readings(4096, 4096), startup=True)
+    assert judgement.verdict == "pass" and judgement.effective_limit == 4000
+
+
+def test_prefill_reporting_decode_mode_is_refused() -> None:
+    readings = _readings(100_000, 100_000)
+    worker = next(w for w in readings if w.role == "prefill")
+    readings[worker] = Reading(replace(readings[worker].telemetry, disaggregation_mode="decode"))
+    judgement = judge_model(_config(), readings, startup=True)
+    assert judgement.verdict == "refuse"
+    assert any("disaggregation_mode 'decode'" in p for j in judgement.workers for p in j.problems)
+
+
+def test_old_engine_warns_by_default_and_refuses_when_strict() -> None:
+    assert judge_model(_config(), _readings(100_000, 100_000, version="0.5.8"), startup=True).verdict == "warn"
+    strict = judge_model(_config(on_old_engine="refuse"), _readings(100_000, 100_000, version="0.5.8"), startup=True)
+    assert strict.verdict == "refuse"
+
+
+def test_after_startup_a_shrunken_worker_leaves_rotation_under_refuse() -> None:
+    config = _config(prefill=[{"url": "http://p:1"}, {"url": "http://p:2"}])
+    readings = _readings(100_000, 100_000)
+    readings[Worker("http://p:2", "prefill")] = Reading(_telemetry("prefill", 2048))
+    judgement = judge_model(config, readings, startup=False)
+    assert judgement.passes and judgement.effective_limit == 8185
+    shrunk = next(j for j in judgement.workers if j.worker.url == "http://p:2")
+    assert shrunk.problems
+
+
+def test_identity_mismatch_is_refused() -> None:
+    readings = _readings(100_000, 100_000)
+    worker = next(w for w in readings if w.role == "decode")
+    readings[worker] = Reading(replace(readings[worker].telemetry, served_model_name="other-model"))
+    judgement = judge_model(_config(), readings, startup=True)
+    assert judgement.verdict == "refuse"
+
+
+def test_versions_compare_numerically() -> None:
+    assert version_tuple("0.5.8") < version_tuple("0.5.22") <= version_tuple("0.5.22.post1")

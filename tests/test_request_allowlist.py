@@ -1,0 +1,64 @@
+"""Nothing a client sends reaches an engine's internal fields; bad input is a clear 400."""
+
+import orjson
+import pytest
+
+from gateway.admission.requests import parse_request
+from gateway.errors import GatewayError
+
+INTERNAL = {"rid": "victim-rid", "bootstrap_room": 42, "bootstrap_host": "10.0.0.9", "bootstrap_port": 1,
+            "bootstrap_pair_key": "k", "data_parallel_rank": 0, "routing_key": "x", "session_params": {"id": "s"},
+            "custom_logit_processor": "evil", "log_metrics": False}
+
+
+def test_chat_drops_engine_internal_fields() -> None:
+    body = {"model": "glm-5", "messages": [{"role": "user", "content": "hi"}], **INTERNAL}
+    parsed = parse_request("/v1/chat/completions", orjson.dumps(body))
+    assert not set(INTERNAL) & set(parsed.body)
+    assert parsed.body["messages"] == body["messages"]
+
+
+def test_generate_drops_internal_fields_at_both_levels() -> None:
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4, "bootstrap_room": 1}, **INTERNAL}
+    parsed = parse_request("/generate", orjson.dumps(body))
+    assert not set(INTERNAL) & set(parsed.body)
+    assert parsed.body["sampling_params"] == {"max_new_tokens": 4}
+    assert parsed.max_tokens == 4
+
+
+@pytest.mark.parametrize(("route", "body", "fragment"), [
+    ("/v1/chat/completions", b"{not json", "not valid JSON"),
+    ("/v1/chat/completions", b'"\\ud800"', "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", "JSON object"),
+    ("/v1/chat/completions", b'{"model": "glm-5"}', "messages"),
+    ("/v1/chat/completions", b'{"model": "glm-5", "messages": "hi"}', "messages"),
+    ("/v1/chat/completions", b'{"model": 5, "messages": [{"role": "user", "content": "x"}]}', "model"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', "max_tokens"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1e30}', "max_tokens"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999999}', "max_tokens"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "stream"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3}', "n > 1"),
+    ("/v1/completions", b'{"model": "m", "prompt": ["a", "b"]}', "batched"),
+    ("/v1/completions", b'{"model": "m", "prompt": {"x": 1}}', "prompt"),
+    ("/v1/completions", b'{"model": "m", "prompt": [1, -5]}', "out of range"),
+    ("/generate", b'{"text": ["a", "b"]}', "batched"),
+    ("/generate", b'{"text": "a", "input_ids": [1]}', "exactly one"),
+    ("/generate", b'{"input_embeds": [[0.1]]}', "input_embeds"),
+    ("/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": true}}', "max_new_tokens"),
+])
+def test_bad_input_is_a_400_with_a_message(route: str, body: bytes, fragment: str) -> None:
+    with pytest.raises(GatewayError) as caught:
+        parse_request(route, body)
+    assert caught.value.status == 400
+    assert fragment in caught.value.message
+
+
+def test_tool_call_arguments_text_becomes_an_object_for_the_template() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": None, "tool_calls": [call]}]}
+    parsed = parse_request("/v1/chat/completions", orjson.dumps(body))
+    assert parsed.messages is not None
+    assert parsed.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert parsed.body["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
