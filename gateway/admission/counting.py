@@ -1,18 +1,22 @@
 """Exact prompt token counting that never blocks the event loop.
 
-A prompt is split at added tokens (the tokenizer never merges across them), each plain segment's count is
-cached per tenant, and only the segments not in the cache are encoded, in worker threads with the GIL
-released (`encode_batch_fast`; `Tokenizer.encode` holds the GIL for its whole run).
+A prompt is split at added tokens (the tokenizer never merges across them); each plain segment's count is
+cached per tenant, and only the segments missing from the cache are encoded: long ones cut at verified
+pre-tokenizer splits and counted on all cores, in worker threads with the GIL released
+(`encode_batch_fast`; `Tokenizer.encode` holds the GIL for its whole run).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from gateway.admission.count_cache import CacheStats, CountCache, cache_scope, text_key
+from gateway.admission.parallel_count import PIECE_CHARS, EncodeFailed, ParallelCounter, encode_lengths
+from gateway.admission.pretok_cuts import PieceCutter
 from gateway.admission.segmenting import AddedTokenSplitter, Segment, UnsupportedSplit
 from gateway.admission.tokenizer import ModelTokenizer
 
@@ -23,12 +27,22 @@ class UnencodableText(ValueError):
 
 class TokenCounter:
     def __init__(
-        self, tokenizer: ModelTokenizer, *, cache_bytes: int = 64 * 2**20, threads: int | None = None
+        self,
+        tokenizer: ModelTokenizer,
+        *,
+        cache_bytes: int = 64 * 2**20,
+        threads: int | None = None,
+        piece_chars: int = PIECE_CHARS,
     ) -> None:
+        """`threads`: cores used to count one long prompt (default: all); `piece_chars`: parallel work unit."""
+        cores = threads or os.cpu_count() or 1
         self._tok = tokenizer
         self._splitter = AddedTokenSplitter(tokenizer.added_tokens) if tokenizer.segmentable else None
+        cutter = PieceCutter(tokenizer.tokenizer.pre_tokenizer) if tokenizer.pretok_cuttable else None
+        self._parallel = ParallelCounter(tokenizer.tokenizer, cutter, cores, piece_chars)
         self._cache = CountCache(cache_bytes)
-        self._pool = ThreadPoolExecutor(threads or 2 * (os.cpu_count() or 1), thread_name_prefix="tokcount")
+        # Request threads mostly wait (in GIL-free encoding or on piece workers), so allow several at once.
+        self._requests = ThreadPoolExecutor(4 * cores, thread_name_prefix="tokcount")
 
     async def count(
         self, text: str, *, tenant: str, add_special_tokens: bool = False, limit: int | None = None
@@ -36,29 +50,48 @@ class TokenCounter:
         """Exact token count of `text` as the engine's `encode(text, add_special_tokens=...)` sees it.
 
         With `limit`, may stop once the count provably exceeds it and return some value > limit.
+        Raises UnencodableText for text the tokenizer cannot encode.
         """
         job = partial(self._count_blocking, text, tenant, add_special_tokens, limit)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, job)
+        return await asyncio.get_running_loop().run_in_executor(self._requests, job)
 
     def count_sync(self, text: str, *, add_special_tokens: bool = False) -> int:
-        """Single-pass reference count (no segmenting, no cache)."""
-        return self._encode_lengths([text], add_special_tokens)[0]
+        """Single-pass reference count (no segmenting, no cache, no parallelism)."""
+        try:
+            return encode_lengths(self._tok.tokenizer, [text], add_special_tokens)[0]
+        except EncodeFailed as exc:
+            raise UnencodableText(str(exc)) from exc
+
+    def provably_within(self, text: str, limit: int, *, add_special_tokens: bool = False) -> bool:
+        """True when count(text) ≤ limit follows from the byte length alone (O(1); tokenizers with tokens ≤ bytes)."""
+        if not self._tok.tokens_le_bytes:
+            return False
+        max_bytes = len(text) if text.isascii() else 4 * len(text)
+        return max_bytes + self._extra(add_special_tokens) <= limit
 
     @property
     def cache_stats(self) -> CacheStats:
         return self._cache.stats()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._requests.shutdown(wait=False, cancel_futures=True)
+        self._parallel.close()
+
+    def _extra(self, add_special_tokens: bool) -> int:
+        return self._tok.special_tokens_added if add_special_tokens else 0
 
     def _count_blocking(self, text: str, tenant: str, add_special_tokens: bool, limit: int | None) -> int:
-        extra = self._tok.special_tokens_added if add_special_tokens else 0
-        segments = self._segments(text)
+        total = self._extra(add_special_tokens)
+        if limit is not None and self._tok.max_token_bytes:
+            # A token covers at most max_token_bytes bytes, hence at most that many characters.
+            floor = total + math.ceil(len(text) / self._tok.max_token_bytes)
+            if floor > limit:
+                return floor
         scope = cache_scope(self._tok.identity, tenant)
-        total = extra + sum(1 for s in segments if s.token_id is not None)
         missed: list[tuple[bytes, str]] = []
-        for seg in segments:
+        for seg in self._segments(text):
             if seg.token_id is not None:
+                total += 1
                 continue
             try:
                 key = text_key(scope, seg.text)
@@ -69,12 +102,17 @@ class TokenCounter:
                 missed.append((key, seg.text))
             else:
                 total += cached
-        if limit is not None and total > limit:
+        budget = None if limit is None else limit - total
+        if budget is not None and budget < 0:
             return total
-        for (key, _), n in zip(missed, self._encode_lengths([t for _, t in missed], False)):
-            self._cache.put(key, n)
-            total += n
-        return total
+        try:
+            counts, complete = self._parallel.lengths([t for _, t in missed], budget)
+        except EncodeFailed as exc:
+            raise UnencodableText(str(exc)) from exc
+        if complete:
+            for (key, _), n in zip(missed, counts):
+                self._cache.put(key, n)
+        return total + sum(counts)
 
     def _segments(self, text: str) -> list[Segment]:
         if self._splitter is not None:
@@ -83,12 +121,3 @@ class TokenCounter:
             except UnsupportedSplit:
                 pass
         return [Segment(text, None)]
-
-    def _encode_lengths(self, texts: list[str], add_special_tokens: bool) -> list[int]:
-        if not texts:
-            return []
-        try:
-            encodings = self._tok.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        except TypeError as exc:  # lone surrogates cannot cross into Rust
-            raise UnencodableText(str(exc)) from exc
-        return [len(e) for e in encodings]
