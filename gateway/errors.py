@@ -31,12 +31,15 @@ class GatewayError(Exception):
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def json(self) -> bytes:
+        return orjson.dumps(self.body())
+
     def response(self) -> Response:
-        return Response(orjson.dumps(self.body()), status_code=self.status, media_type="application/json")
+        return Response(self.json(), status_code=self.status, media_type="application/json")
 
     def sse_event(self) -> bytes:
         """The error as a final server-sent event, for a stream that has already started."""
-        return b"data: " + orjson.dumps(self.body()) + b"\n\n"
+        return b"data: " + self.json() + b"\n\n"
 
 
 def _default_type(status: int) -> str:

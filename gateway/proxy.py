@@ -62,13 +62,14 @@ def tenant_of(scope: Scope) -> str:
     return f"addr:{client[0]}" if client else "addr:unknown"
 
 
+async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    all_headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *(headers or ())]
+    await send({"type": "http.response.start", "status": status, "headers": all_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 async def send_error(send: Send, error: GatewayError) -> None:
-    await send({"type": "http.response.start", "status": error.status, "headers": _JSON_HEADERS})
-    await send({"type": "http.response.body", "body": _error_json(error)})
-
-
-def _error_json(error: GatewayError) -> bytes:
-    return error.response().body
+    await send_json(send, error.status, error.json())
 
 
 class GenerateEndpoint:
@@ -108,6 +109,11 @@ class GenerateEndpoint:
             watcher.cancel()
 
 
+def _count_header(exchange: PDExchange) -> list[tuple[bytes, bytes]]:
+    """The gateway's own prompt count, so a client (and the parity test) can compare it with the engine's usage."""
+    return [(b"x-kvgate-prompt-tokens", str(exchange.admitted.prompt_tokens).encode())]
+
+
 async def _watch_disconnect(receive: Receive, exchange: PDExchange) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -134,7 +140,7 @@ async def _relay_stream(exchange: PDExchange, send: Send) -> None:
         # Nothing was sent yet, so the failure keeps its own status code.
         await send_error(send, item.error)
         return
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + _count_header(exchange)})
     while True:
         payloads, marker = _drain(queue, item)
         body = b"".join(b"data: " + p + b"\n\n" for p in payloads)
@@ -176,8 +182,7 @@ async def _relay_whole(exchange: PDExchange, send: Send) -> None:
         return
     if item is DONE and await exchange.prefill_ok:
         body = assemble(exchange.admitted.request.route, events)
-        await send({"type": "http.response.start", "status": 200, "headers": _JSON_HEADERS})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 200, body, _count_header(exchange))
         return
     failure = exchange.failure
     await send_error(send, failure.error if failure else GatewayError(502, "request failed"))
