@@ -20,12 +20,13 @@ class EngineError(Exception):
     """An engine answered with an error, could not be reached, or sent something unusable."""
 
     def __init__(self, role: str, message: str, *, status: int | None = None, timeout: bool = False,
-                 length_rejection: bool = False) -> None:
+                 length_rejection: bool = False, unreachable: bool = False) -> None:
         super().__init__(message)
         self.role = role
         self.status = status
         self.timeout = timeout
         self.length_rejection = length_rejection
+        self.unreachable = unreachable
 
 
 # Substrings of SGLang's own prompt-length rejections (tokenizer manager, scheduler and PD queues, §1.12).
@@ -97,7 +98,7 @@ class EngineClient:
         try:
             response = await self._session.post(url, data=body, headers=JSON_HEADERS)
         except aiohttp.ClientConnectorError as exc:
-            raise EngineError(role, f"{role} worker unreachable: {exc.os_error or exc}") from exc
+            raise EngineError(role, f"{role} worker unreachable: {exc.os_error or exc}", unreachable=True) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise EngineError(role, f"{role} worker connection failed: {exc!r}") from exc
         if response.status >= 300:

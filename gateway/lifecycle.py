@@ -176,8 +176,8 @@ class PDExchange:
                 task.cancel()
 
     def _fail_engine(self, error: EngineError) -> None:
-        if error.status is None and not error.timeout:
-            # A connection failure may be a restart: keep the worker out of rotation until the monitor has read
+        if error.unreachable:
+            # A refused connection may be a restart: keep the worker out of rotation until the monitor has read
             # its telemetry again and it has passed the KV-pool gate.
             worker = self.pair.prefill if error.role == "prefill" else self.pair.decode
             worker.admitted = False
