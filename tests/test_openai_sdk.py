@@ -1,0 +1,73 @@
+"""The official OpenAI Python SDK works unchanged against kvgate, streaming and not."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from loadtests.engine.harness import EnginePair, start_pair
+from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    with start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5",
+                    version="0.5.23") as pair:
+        config = write_config(tmp_path_factory.mktemp("gw"), [model_entry("glm-5", [pair.prefill], [pair.decode])])
+        with running_gateway(config) as running:
+            yield running
+
+
+@pytest.fixture(scope="module")
+def client(gateway: RunningGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="tenant-a-key", max_retries=0)
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours 🎨"}]
+
+
+def _gateway_count(client: openai.OpenAI) -> int:
+    raw = client.chat.completions.with_raw_response.create(model="glm-5", messages=MESSAGES, max_tokens=1)
+    return int(raw.headers["x-kvgate-prompt-tokens"])
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(model="glm-5", messages=MESSAGES, max_tokens=6)
+    assert completion.object == "chat.completion"
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].message.content
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None and completion.usage.completion_tokens == 6
+    assert completion.usage.prompt_tokens == _gateway_count(client)
+
+
+def test_streamed_chat_completion_with_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="glm-5", messages=MESSAGES, max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    usage = next(c.usage for c in chunks if c.usage)
+    assert usage.prompt_tokens == _gateway_count(client)
+
+
+def test_completion_and_stream(client: openai.OpenAI) -> None:
+    completion = client.completions.create(model="glm-5", prompt="Once upon a time", max_tokens=5)
+    assert completion.choices[0].text and completion.usage is not None
+    pieces = [c.choices[0].text for c in client.completions.create(model="glm-5", prompt="Once upon a time",
+                                                                    max_tokens=5, stream=True) if c.choices]
+    assert "".join(pieces)
+
+
+def test_models_list(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["glm-5"]
+
+
+def test_errors_surface_as_sdk_exceptions(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="missing", messages=MESSAGES)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="glm-5", messages=[{"role": "user", "content": "hi " * 9000}])
+    assert caught.value.status_code == 413
