@@ -24,10 +24,6 @@ from .tokenizer import StreamDetokenizer, TokenizeError
 _DONE = b"data: [DONE]\n\n"
 
 
-def _sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
 class GenerationAPI:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

@@ -48,7 +48,7 @@ def _opt_int(value: Any, name: str) -> int | None:
 
 
 class StreamState:
-    __slots__ = ("rid", "created", "model", "ids", "text", "include_usage", "gen")
+    __slots__ = ("rid", "created", "model", "ids", "text", "include_usage", "gen", "frame")
 
     def __init__(self, gen: Any, model: str, include_usage: bool) -> None:
         self.gen = gen
@@ -58,6 +58,7 @@ class StreamState:
         self.ids: list[int] = []
         self.text = ""
         self.include_usage = include_usage
+        self.frame: tuple[bytes, bytes] | None = None  # cached chunk bytes around the delta
 
 
 class Format:
@@ -226,7 +227,10 @@ class ChatFormat(_OpenAIFormat):
         out = b""
         if index >= 0:
             st.ids.append(index)
-            out = self._chunk(st, [self._delta({"content": delta}, None)])
+            if st.frame is None:  # per-token chunks differ only in the delta: splice it into a cached frame
+                head, _, tail = self._chunk(st, [self._delta({"content": "\x00"}, None)]).partition(b'"\\u0000"')
+                st.frame = (head, tail)
+            out = st.frame[0] + orjson.dumps(delta) + st.frame[1]
         if finish is not None:  # the finish reason comes in its own chunk with an empty delta
             out += self._chunk(st, [self._delta({}, _openai_finish(finish))])
         return out

@@ -220,6 +220,8 @@ class DecodeLinks:
     async def get(self, host: str, port: int) -> DecodeLink:
         key = (host, port)
         fut = self._links.get(key)
+        if fut is not None and fut.done() and fut.exception() is None:
+            return fut.result()  # hot path: an established link
         if fut is None:
             fut = self._links[key] = asyncio.ensure_future(self._connect(host, port))
         try:
