@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "serve":
-            return _serve(args.config, args.log_level)
+            return serve(args.config, args.log_level)
         if args.command == "preflight":
             from gateway.preflight import run_preflight
             return run_preflight(load_config(args.config), as_json=args.json)
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _serve(config_path: str, log_level: str) -> int:
+def serve(config_path: str, log_level: str) -> int:
     import uvicorn
 
     from gateway.app import create_app

@@ -156,6 +156,8 @@ class GenerationAPI:
                     sent = await self._flush(req, batch, sent, drop_after, gen)
                     await asyncio.sleep(delay)
                 last = i == n - 1
+                if i == 0:
+                    rec.first_token = time.time()
                 batch.append(fmt.stream_token(state, i, detok.push(tok), self._finish_reason(gen) if last else None))
             if n == 0:
                 batch.append(fmt.stream_token(state, -1, "", self._finish_reason(gen)))

@@ -15,7 +15,7 @@ ERROR = "error"
 class ReqRecord:
     __slots__ = ("rid", "role", "path", "stream", "bootstrap_room", "bootstrap_host", "bootstrap_port", "arrival",
                  "end", "outcome", "status", "error", "prompt_tokens", "completion_tokens", "transferred_tokens",
-                 "connection_closed", "fault")
+                 "connection_closed", "fault", "first_token")
 
     def __init__(self, rid: str, role: str, path: str, stream: bool) -> None:
         self.rid = rid
@@ -35,6 +35,7 @@ class ReqRecord:
         self.transferred_tokens: int | None = None
         self.connection_closed: float | None = None
         self.fault: str | None = None
+        self.first_token: float | None = None  # when the first output token was produced (decode streams)
 
     def finish(self, outcome: str, status: int | None, error: str | None = None) -> None:
         if self.outcome is None:
