@@ -28,7 +28,7 @@ class PieceCutter:
         bounds = [0]
         lo = piece_chars
         while lo < len(text) - piece_chars // 2:
-            hi = min(lo + piece_chars, len(text) - 1)
+            hi = min(lo + piece_chars, len(text))
             cut = self._find_cut(text, lo, hi)
             if cut is None:
                 lo = hi

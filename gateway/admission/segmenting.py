@@ -8,7 +8,7 @@ piece between them on its own. Replicating that split lets a prompt be counted, 
 from __future__ import annotations
 
 import re
-import unicodedata
+import string
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,10 +18,11 @@ from gateway.admission.tokenizer import AddedToken
 _WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 _LEADING_SPACE = re.compile(f"[{_WHITE_SPACE}]*")
 _TRAILING_SPACE = re.compile(f"[{_WHITE_SPACE}]*\\Z")
+_NON_WORD = frozenset(string.whitespace + string.punctuation.replace("_", ""))
 
 
 class UnsupportedSplit(Exception):
-    """The text hits an added-token corner our split does not replicate; count it in one pass instead."""
+    """The text hits an added-token corner where per-segment encoding would differ; count it in one pass."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +33,9 @@ class Segment:
     token_id: int | None
 
 
-def _is_word_char(c: str) -> bool:
-    """Approximates Rust regex `\\w` (Alphabetic, marks, decimal digits, connector punctuation, joiners)."""
-    cat = unicodedata.category(c)
-    return cat[0] in "LM" or cat in ("Nd", "Nl", "Pc") or c in "\u200c\u200d"
+def _clearly_not_word(c: str) -> bool:
+    """Outside Rust regex `\\w` beyond doubt; anything unclear makes us fall back rather than guess."""
+    return c in _NON_WORD
 
 
 class AddedTokenSplitter:
@@ -71,10 +71,11 @@ class AddedTokenSplitter:
             token = self._by_content[m.group()]
             start, stop = m.start(), m.end()
             if token.single_word:
-                before_word = start > 0 and _is_word_char(text[start - 1])
-                after_word = stop < len(text) and _is_word_char(text[stop])
-                if before_word or after_word:
-                    continue
+                before_ok = start == 0 or _clearly_not_word(text[start - 1])
+                after_ok = stop == len(text) or _clearly_not_word(text[stop])
+                if not (before_ok and after_ok):
+                    # Rejected, the token would stay in a plain segment and match when that is encoded alone.
+                    raise UnsupportedSplit
             if start < start_offset:
                 if not token.lstrip:
                     raise UnsupportedSplit  # the previous token's rstrip swallowed the start of this match

@@ -1,0 +1,141 @@
+"""Segmenting at added tokens equals single-pass `encode`: GLM-5 chats and toy tokenizers with every flag."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+from gateway.admission.counting import TokenCounter
+from gateway.admission.tokenizer import ModelTokenizer
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "config" / "models" / "glm-5"
+GLM_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+FRAGMENTS = [
+    "hello", " world", "  ", "\n", "\r\n", "\t", " \n ", "你好", "世界。", "😀", "e\u0301", "x_1", "don't", "'S",
+    "123456", "3.14", "def f(x):\n    return x", "{\"k\": [1, 2]}", "\u00a0", "\u3000", "\x1c", "...", "--", "Ωmega",
+]
+
+
+def reference(tok: ModelTokenizer, text: str) -> int:
+    return len(tok.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+@pytest.fixture(scope="module")
+def glm() -> ModelTokenizer:
+    return ModelTokenizer.load(MODEL_DIR / "tokenizer.json.gz")
+
+
+def render_chats(n: int, seed: int) -> list[str]:
+    """Multi-turn GLM-5 chats with tool calls, unicode and whitespace at every segment edge."""
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda v, ensure_ascii=True, **_: json.dumps(v, ensure_ascii=ensure_ascii)
+    template = env.from_string((MODEL_DIR / "chat_template.jinja").read_text(encoding="utf-8"))
+    rng = random.Random(seed)
+
+    def text() -> str:
+        body = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randrange(0, 30)))
+        edge = ["", " ", "\n", "  \n", "\t", "\u3000"]
+        return rng.choice(edge) + body + rng.choice(edge)
+
+    chats = []
+    for _ in range(n):
+        messages: list[dict[str, Any]] = [{"role": "system", "content": text()}]
+        for _ in range(rng.randrange(1, 6)):
+            messages.append({"role": "user", "content": text() + rng.choice(["", "<|user|>", "<think>", "[gMASK]x"])})
+            call = {"function": {"name": "run", "arguments": {"cmd": text(), "n": rng.randrange(9)}}}
+            reply = {"role": "assistant", "content": text(), "reasoning_content": text()}
+            if rng.random() < 0.4:
+                reply["tool_calls"] = [call]
+                messages += [reply, {"role": "tool", "content": text()}]
+            else:
+                messages.append(reply)
+        tools = [{"name": "run", "description": text()}] if rng.random() < 0.3 else None
+        chats.append(template.render(messages=messages, tools=tools, add_generation_prompt=rng.random() < 0.8))
+    return chats
+
+
+def test_glm_chat_corpus_equals_single_pass(glm: ModelTokenizer) -> None:
+    assert glm.segmentable
+    counter = TokenCounter(glm, cache_bytes=1 << 20)
+    chats = render_chats(400, seed=1)
+
+    async def run() -> list[int]:
+        return [await counter.count(c, tenant="t") for c in chats]
+
+    try:
+        assert asyncio.run(run()) == [reference(glm, c) for c in chats]
+    finally:
+        counter.close()
+
+
+def toy_tokenizer(flagged: list[AddedToken], *, normalizer: Any = None, pre: Any = None) -> ModelTokenizer:
+    """A small byte-level BPE trained in-process, carrying added tokens with the given flags."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre or pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(GLM_SPLIT), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(FRAGMENTS * 50, trainer)
+    tok.add_special_tokens([t for t in flagged if t.special])
+    tok.add_tokens([t for t in flagged if not t.special])
+    return ModelTokenizer(tok.to_str().encode())
+
+
+FLAGGED = [
+    AddedToken("<L>", lstrip=True, normalized=False, special=True),
+    AddedToken("<R>", rstrip=True, normalized=False, special=True),
+    AddedToken("<LR>", lstrip=True, rstrip=True, normalized=False, special=True),
+    AddedToken("word", single_word=True, normalized=False, special=False),
+    AddedToken("<n>", normalized=True, special=False),
+    AddedToken("<LR>x", normalized=False, special=False),  # longer overlapping token: leftmost-longest
+    AddedToken("<", normalized=True, special=False),
+]
+TOY_ALPHABET = FRAGMENTS + [t.content for t in FLAGGED] + [" ", "  ", "\n", "wordy", "a"]
+
+
+@pytest.fixture(scope="module")
+def toy() -> ModelTokenizer:
+    return toy_tokenizer(FLAGGED)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(TOY_ALPHABET), max_size=40).map("".join))
+def test_flags_lstrip_rstrip_single_word_normalized(toy: ModelTokenizer, text: str) -> None:
+    assert toy.segmentable
+    counter = TokenCounter(toy, cache_bytes=0)
+    try:
+        assert asyncio.run(counter.count(text, tenant="t")) == reference(toy, text)
+    finally:
+        counter.close()
+
+
+@pytest.mark.parametrize(
+    ("normalizer", "pre", "segmentable", "le_bytes"),
+    [
+        (normalizers.NFC(), None, False, False),  # normalized added tokens behind a real normalizer
+        (None, pre_tokenizers.Metaspace(prepend_scheme="first"), False, False),  # first segment is special
+        (None, pre_tokenizers.ByteLevel(add_prefix_space=True), True, False),  # inserts a space per piece
+    ],
+)
+def test_unproven_tokenizers_fall_back_and_stay_exact(normalizer: Any, pre: Any, segmentable: bool, le_bytes: bool) -> None:
+    tok = toy_tokenizer(FLAGGED, normalizer=normalizer, pre=pre)
+    assert (tok.segmentable, tok.tokens_le_bytes) == (segmentable, le_bytes)
+    counter = TokenCounter(tok, cache_bytes=1 << 16)
+    rng = random.Random(7)
+    texts = ["".join(rng.choice(TOY_ALPHABET) for _ in range(30)) for _ in range(200)]
+    try:
+        assert [asyncio.run(counter.count(t, tenant="t")) for t in texts] == [reference(tok, t) for t in texts]
+    finally:
+        counter.close()
