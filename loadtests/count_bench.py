@@ -26,7 +26,7 @@ from gateway.admission.tokenizer import ModelTokenizer
 MODEL_DIR = Path(__file__).resolve().parents[1] / "config" / "models" / "glm-5"
 TARGET_TOKENS = 1_000_000
 NEW_MESSAGE_TOKENS = 2_000
-SMALL_RPS = 200  # small prompts (50-1,500 tokens) arriving per second while the long one is counted
+SMALL_RPS = 100  # small prompts (50-1,500 tokens) arriving per second while the long one is counted
 CJK_SENTENCES = (
     "这个函数在处理长上下文时会把整个提示词重新编码一遍，所以延迟随着对话长度线性增长。",
     "请帮我检查一下这段代码里有没有并发问题，尤其是锁的获取顺序。",
@@ -158,6 +158,29 @@ def p99(samples: list[float]) -> float:
     return statistics.quantiles(samples, n=100)[98] if len(samples) > 1 else (samples or [0.0])[0]
 
 
+def build_chat(tok: Any, template: jinja2.Template, builder: ChatBuilder) -> tuple[list[dict[str, Any]], str, int]:
+    """Messages rendering to at least TARGET_TOKENS tokens; returns messages, prompt, exact token count."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful senior engineer. 你是一名资深工程师。"}]
+    chars = 0
+    while chars < TARGET_TOKENS * 3.4:
+        turn = builder.turn(random.Random(len(messages)).randrange(2_000, 30_000))
+        messages += turn
+        chars += sum(len(m["content"]) for m in turn)
+    while True:
+        prompt = render(template, messages)
+        n = len(tok.encode(prompt, add_special_tokens=False).ids)
+        if n >= TARGET_TOKENS:
+            return messages, prompt, n
+        messages += builder.turn(8_000)
+
+
+def new_message(tok: Any, builder: ChatBuilder) -> str:
+    text = builder.message_text(9_000)
+    while len(tok.encode(text).ids) > NEW_MESSAGE_TOKENS:
+        text = text[: int(len(text) * 0.98)]
+    return text
+
+
 async def main() -> None:
     t = time.perf_counter()
     mt = ModelTokenizer.load(MODEL_DIR / "tokenizer.json.gz")
@@ -165,34 +188,23 @@ async def main() -> None:
     print(f"tokenizer loaded in {time.perf_counter() - t:.2f}s identity={mt.identity[:16]} tokens_le_bytes={mt.tokens_le_bytes}")
     template = render_template(MODEL_DIR)
     builder = ChatBuilder()
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful senior engineer. 你是一名资深工程师。"}]
-    chars = 0
-    while chars < TARGET_TOKENS * 3.4:
-        turn = builder.turn(random.Random(len(messages)).randrange(2_000, 30_000))
-        messages += turn
-        chars += sum(len(m["content"]) for m in turn)
-    prompt = render(template, messages)
-    n_ref = len(tok.encode(prompt, add_special_tokens=False).ids)
-    while n_ref < TARGET_TOKENS:  # top up to at least the target
-        messages += builder.turn(8_000)
-        prompt = render(template, messages)
-        n_ref = len(tok.encode(prompt, add_special_tokens=False).ids)
-    new_msg = builder.message_text(8_000)
-    while len(tok.encode(new_msg).ids) > NEW_MESSAGE_TOKENS:
-        new_msg = new_msg[: int(len(new_msg) * 0.97)]
-    warm_prompt = render(template, messages + [{"role": "assistant", "content": "Done."}, {"role": "user", "content": new_msg}])
-    t = time.perf_counter()
-    warm_ref = len(tok.encode(warm_prompt, add_special_tokens=False).ids)
-    single_pass_s = time.perf_counter() - t
+    messages, prompt, n_ref = build_chat(tok, template, builder)
     print(f"chat: {len(messages)} messages, {len(prompt):,} chars, {len(prompt.encode()):,} bytes, {n_ref:,} tokens")
-    print(f"new message: {len(tok.encode(new_msg).ids):,} tokens; warm prompt {warm_ref:,} tokens")
-    print(f"single-pass Tokenizer.encode of the warm prompt: {single_pass_s:.2f}s (holds the GIL)")
-
+    t = time.perf_counter()
+    assert len(tok.encode(prompt).ids) == n_ref
+    print(f"single-pass Tokenizer.encode: {time.perf_counter() - t:.2f}s (holds the GIL throughout)")
     small = [builder.message_text(random.Random(i).randrange(200, 6_000)) for i in range(64)]
+    print(f"concurrent small requests: {SMALL_RPS}/s, 50-1,500 tokens each, unique (cache misses), 7 tenants")
+
     exact = True
-    colds: list[float] = []
     lags: list[float] = []
     seen_all: list[tuple[str, int]] = []
+    counter = TokenCounter(mt)
+    t = time.perf_counter()
+    exact &= await counter.count(prompt, tenant="quiet") == n_ref
+    print(f"cold, no other traffic: {time.perf_counter() - t:.3f}s")
+    counter.close()
+    colds: list[float] = []
     for run in range(3):
         counter = TokenCounter(mt)
         n, wall, lag, seen = await measure(counter, prompt, small)
@@ -204,25 +216,28 @@ async def main() -> None:
         if run < 2:
             counter.close()
     warms: list[float] = []
+    history = messages
     for run in range(3):
-        n, wall, lag, seen = await measure(counter, warm_prompt + "\n" * run, small)
-        ref = warm_ref if run == 0 else len(tok.encode(warm_prompt + "\n" * run).ids)
-        exact &= n == ref
+        msg = new_message(tok, builder)
+        history = history + [{"role": "assistant", "content": f"Noted ({run})."}, {"role": "user", "content": msg}]
+        warm_prompt = render(template, history)
+        n, wall, lag, seen = await measure(counter, warm_prompt, small)
+        exact &= n == len(tok.encode(warm_prompt).ids)
         warms.append(wall)
         lags += lag
         seen_all += seen
-        print(f"warm run {run}: {n:,} tokens in {wall * 1000:.1f} ms, {len(seen)} small requests, lag p99 {p99(lag):.2f} ms")
+        print(f"warm run {run}: +{len(tok.encode(msg).ids):,}-token message, {n:,} tokens in {wall * 1000:.1f} ms, lag p99 {p99(lag):.2f} ms")
+    print(f"cache: {counter.cache_stats}")
+    counter.close()
+    counter = TokenCounter(mt)
     t = time.perf_counter()
-    fresh = TokenCounter(mt)
-    over = await fresh.count(prompt, tenant="bench", limit=200_000)
+    over = await counter.count(prompt, tenant="bench", limit=200_000)
     print(f"early exit: limit 200,000 -> returned {over:,} in {time.perf_counter() - t:.3f}s")
+    counter.close()
     exact &= over > 200_000
     mismatched = sum(1 for text, n in seen_all if n != len(tok.encode(text).ids))
     exact &= mismatched == 0
-    print(f"small requests checked: {len(seen_all)}, {mismatched} mismatches; lag samples {len(lags)}")
-    print(f"cache: {counter.cache_stats}")
-    fresh.close()
-    counter.close()
+    print(f"small requests checked against encode: {len(seen_all)}, {mismatched} mismatches; lag samples {len(lags)}")
     print(f"cold_1m_s={max(colds):.3f}")
     print(f"warm_1m_s={max(warms):.4f}")
     print(f"loop_lag_p99_ms={p99(lags):.2f}")

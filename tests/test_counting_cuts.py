@@ -20,7 +20,7 @@ ATOMS = st.sampled_from(
     [
         " ", "  ", "   ", "\n", "\n\n", "\r\n", "\r", "\t", " \n", "\n ", "\u00a0", "\u3000", "\u2028", "\x1c",
         "a", "word", "Word", "'s", "'LL", "don't", "1", "12", "1234567", "٣", "x2", "_", ".", "...", "!?\n", "){",
-        "你", "好的。", "テスト", "한국", "😀", "👍🏽", "e\u0301", "\u0301", "ß", "İ", "\ufeff", "<", "|", "\\",
+        "你", "好的。", "テスト", "한국", "😀", "👍🏽", "e\u0301", "\u0301", "ß", "İ", "\ufeff", "<", "|", "\\", "，", "、", ";", ":", ",",
     ]
 )
 TEXTS = st.lists(ATOMS, min_size=0, max_size=400).map("".join)
@@ -74,3 +74,10 @@ def test_long_segment_counted_in_parallel_is_exact(glm: ModelTokenizer) -> None:
         assert asyncio.run(counter.count(text, tenant="t")) == reference(glm, text)
     finally:
         counter.close()
+
+
+def test_cjk_prose_without_spaces_is_cut_at_punctuation(glm: ModelTokenizer) -> None:
+    text = "网关在转发请求之前必须确认提示词能放进键值缓存，否则返回错误。" * 2000
+    pieces = PieceCutter(glm.tokenizer.pre_tokenizer).cut(text, 1000)
+    assert len(pieces) > 50
+    assert sum(len(e) for e in glm.tokenizer.encode_batch_fast(pieces)) == reference(glm, text)

@@ -12,7 +12,7 @@ import jinja2
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from gateway.admission.counting import TokenCounter
 from gateway.admission.tokenizer import ModelTokenizer
@@ -137,5 +137,22 @@ def test_unproven_tokenizers_fall_back_and_stay_exact(normalizer: Any, pre: Any,
     texts = ["".join(rng.choice(TOY_ALPHABET) for _ in range(30)) for _ in range(200)]
     try:
         assert [asyncio.run(counter.count(t, tenant="t")) for t in texts] == [reference(tok, t) for t in texts]
+    finally:
+        counter.close()
+
+
+def test_post_processor_tokens_are_added_once() -> None:
+    tok = toy_tokenizer(FLAGGED)
+    tok.tokenizer.post_processor = processors.TemplateProcessing(
+        single="<L> $A <R>", special_tokens=[("<L>", tok.token_id("<L>") or 0), ("<R>", tok.token_id("<R>") or 0)]
+    )
+    tok = ModelTokenizer(tok.tokenizer.to_str().encode())
+    assert tok.special_tokens_added == 2
+    counter = TokenCounter(tok, cache_bytes=1 << 16)
+    try:
+        for text in ["", "word <LR> x", "你好<n>"]:
+            expected = len(tok.tokenizer.encode(text, add_special_tokens=True).ids)
+            assert asyncio.run(counter.count(text, tenant="t", add_special_tokens=True)) == expected
+            assert counter.count_sync(text, add_special_tokens=True) == expected
     finally:
         counter.close()

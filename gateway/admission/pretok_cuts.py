@@ -1,22 +1,28 @@
 """Cut a long text only where the tokenizer's own pre-tokenizer splits the full text.
 
 BPE never merges across a pre-tokenizer split, so pieces cut at such a position count to the same total as
-the whole text. Candidates are positions after a newline (or a space) that starts a new word; each is
-verified on a window around it: pre-tokenizing the window must put a boundary there, from two different
-scan starts, and pre-tokenizing the two halves on their own must reproduce the window's splits exactly
-(no look-ahead or greedy run reaches across the cut). For GPT-style split regexes (GLM, Llama 3, Qwen,
-DeepSeek) no alternative can match a newline followed by a non-space, nor a non-space followed by a space,
-so these boundaries are forced; the window check makes the cutter safe for other pre-tokenizers too.
+the whole text. Candidates are positions after a newline, before a space, or before punctuation that ends
+a word; each is verified on a window around it: pre-tokenizing the window must put a boundary there, from
+two different scan starts, and pre-tokenizing the two halves on their own must reproduce the window's
+splits exactly (no look-ahead or greedy run reaches across the cut). For GPT-style split regexes (GLM,
+Llama 3, Qwen, DeepSeek) no alternative can match a newline followed by a non-space, a non-space followed
+by a space, or a letter followed by punctuation, so these boundaries are forced; the window check guards
+other pre-tokenizers.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from itertools import pairwise
 
 import tokenizers
 
 _WINDOW = 256  # context pre-tokenized on each side of a candidate cut
 _MAX_TRIES = 8  # verified candidates per kind before giving up on a stretch of text
+# Candidate kinds, best first: after a newline; before a space; before punctuation that follows a letter
+# (CJK prose often has no spaces or newlines for thousands of characters).
+_CANDIDATES = {"newline": re.compile("\n"), "space": re.compile(" "), "punct": re.compile("[,.;:!?，。！？；：、]")}
 
 
 class PieceCutter:
@@ -39,27 +45,16 @@ class PieceCutter:
         return [text[a:b] for a, b in pairwise(bounds)]
 
     def _find_cut(self, text: str, lo: int, hi: int) -> int | None:
-        for sep in ("\n", " "):
-            pos, tries = lo, 0
-            while tries < _MAX_TRIES:
-                found = text.find(sep, pos, hi)
-                if found < 0:
-                    break
-                pos = found + 1
-                cut = found + 1 if sep == "\n" else found  # after a newline; before a space
-                if self._plausible(text, cut):
+        for kind in _CANDIDATES:
+            tries = 0
+            for cut in _positions(text, kind, lo, hi):
+                if _plausible(kind, text, cut):
                     tries += 1
                     if self.verified(text, cut):
                         return cut
+                    if tries == _MAX_TRIES:
+                        break
         return None
-
-    @staticmethod
-    def _plausible(text: str, cut: int) -> bool:
-        if not 0 < cut < len(text) - 1:
-            return False
-        if text[cut - 1] == "\n":
-            return not text[cut].isspace()
-        return not text[cut - 1].isspace() and not text[cut + 1].isspace()
 
     def verified(self, text: str, cut: int) -> bool:
         """True when the pre-tokenizer splits `text` at `cut` with no effect reaching across it."""
@@ -74,3 +69,20 @@ class PieceCutter:
 
     def _offsets(self, text: str, base: int) -> list[tuple[int, int]]:
         return [(base + s, base + e) for _, (s, e) in self._pre.pre_tokenize_str(text)]
+
+
+def _positions(text: str, kind: str, lo: int, hi: int) -> Iterator[int]:
+    """Candidate cuts in [lo, hi): after each newline, else before each separator character."""
+    for m in _CANDIDATES[kind].finditer(text, lo, hi):
+        yield m.end() if kind == "newline" else m.start()
+
+
+def _plausible(kind: str, text: str, cut: int) -> bool:
+    """Cheap pre-filter: a word must start right after the cut (verification has the final say)."""
+    if not 0 < cut < len(text) - 1:
+        return False
+    if kind == "newline":
+        return not text[cut].isspace()
+    if kind == "space":
+        return not text[cut - 1].isspace() and not text[cut + 1].isspace()
+    return text[cut - 1].isalpha()
