@@ -123,7 +123,9 @@ class LagProbe:
         self._stop.set()
 
 
-async def small_requests(counter: TokenCounter, texts: list[str], stop: asyncio.Event, seen: list[tuple[str, int]]) -> None:
+async def small_requests(
+    counter: TokenCounter, texts: list[str], stop: asyncio.Event, seen: list[tuple[str, int]]
+) -> None:
     """Open-loop arrivals at SMALL_RPS, each a unique (uncached) small prompt, counted concurrently."""
 
     async def one(i: int) -> None:
@@ -140,7 +142,9 @@ async def small_requests(counter: TokenCounter, texts: list[str], stop: asyncio.
     await asyncio.gather(*inflight)
 
 
-async def measure(counter: TokenCounter, prompt: str, small: list[str]) -> tuple[int, float, list[float], list[tuple[str, int]]]:
+async def measure(
+    counter: TokenCounter, prompt: str, small: list[str]
+) -> tuple[int, float, list[float], list[tuple[str, int]]]:
     """Count `prompt` while a lag probe runs and small requests arrive; returns count, wall s, lags, smalls."""
     probe, stop, seen = LagProbe(), asyncio.Event(), []
     tasks = [asyncio.create_task(probe.run()), asyncio.create_task(small_requests(counter, small, stop, seen))]
@@ -160,7 +164,8 @@ def p99(samples: list[float]) -> float:
 
 def build_chat(tok: Any, template: jinja2.Template, builder: ChatBuilder) -> tuple[list[dict[str, Any]], str, int]:
     """Messages rendering to at least TARGET_TOKENS tokens; returns messages, prompt, exact token count."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful senior engineer. 你是一名资深工程师。"}]
+    system = "You are a careful senior engineer. 你是一名资深工程师。"
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
     chars = 0
     while chars < TARGET_TOKENS * 3.4:
         turn = builder.turn(random.Random(len(messages)).randrange(2_000, 30_000))
@@ -185,7 +190,8 @@ async def main() -> None:
     t = time.perf_counter()
     mt = ModelTokenizer.load(MODEL_DIR / "tokenizer.json.gz")
     tok = mt.tokenizer
-    print(f"tokenizer loaded in {time.perf_counter() - t:.2f}s identity={mt.identity[:16]} tokens_le_bytes={mt.tokens_le_bytes}")
+    print(f"tokenizer loaded in {time.perf_counter() - t:.2f}s, identity {mt.identity[:16]}…")
+    print(f"tokens_le_bytes={mt.tokens_le_bytes} segmentable={mt.segmentable} pretok_cuttable={mt.pretok_cuttable}")
     template = render_template(MODEL_DIR)
     builder = ChatBuilder()
     messages, prompt, n_ref = build_chat(tok, template, builder)
@@ -212,7 +218,10 @@ async def main() -> None:
         colds.append(wall)
         lags += lag
         seen_all += seen
-        print(f"cold run {run}: {n:,} tokens in {wall:.3f}s ({n / wall / 1e6:.2f} M tok/s), {len(seen)} small requests, lag p99 {p99(lag):.2f} ms")
+        print(
+            f"cold run {run}: {n:,} tokens in {wall:.3f}s ({n / wall / 1e6:.2f} M tok/s), "
+            f"{len(seen)} small requests, lag p99 {p99(lag):.2f} ms"
+        )
         if run < 2:
             counter.close()
     warms: list[float] = []
@@ -226,7 +235,10 @@ async def main() -> None:
         warms.append(wall)
         lags += lag
         seen_all += seen
-        print(f"warm run {run}: +{len(tok.encode(msg).ids):,}-token message, {n:,} tokens in {wall * 1000:.1f} ms, lag p99 {p99(lag):.2f} ms")
+        print(
+            f"warm run {run}: +{len(tok.encode(msg).ids):,}-token message, {n:,} tokens in {wall * 1000:.1f} ms, "
+            f"lag p99 {p99(lag):.2f} ms"
+        )
     print(f"cache: {counter.cache_stats}")
     counter.close()
     counter = TokenCounter(mt)

@@ -19,7 +19,8 @@ from gateway.admission.tokenizer import ModelTokenizer
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "config" / "models" / "glm-5"
 GLM_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 FRAGMENTS = [
     "hello", " world", "  ", "\n", "\r\n", "\t", " \n ", "你好", "世界。", "😀", "e\u0301", "x_1", "don't", "'S",
@@ -84,9 +85,13 @@ def toy_tokenizer(flagged: list[AddedToken], *, normalizer: Any = None, pre: Any
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizer
     tok.pre_tokenizer = pre or pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(GLM_SPLIT), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(GLM_SPLIT), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
-    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(FRAGMENTS * 50, trainer)
     tok.add_special_tokens([t for t in flagged if t.special])
     tok.add_tokens([t for t in flagged if not t.special])
@@ -129,7 +134,9 @@ def test_flags_lstrip_rstrip_single_word_normalized(toy: ModelTokenizer, text: s
         (None, pre_tokenizers.ByteLevel(add_prefix_space=True), True, False),  # inserts a space per piece
     ],
 )
-def test_unproven_tokenizers_fall_back_and_stay_exact(normalizer: Any, pre: Any, segmentable: bool, le_bytes: bool) -> None:
+def test_unproven_tokenizers_fall_back_and_stay_exact(
+    normalizer: Any, pre: Any, segmentable: bool, le_bytes: bool
+) -> None:
     tok = toy_tokenizer(FLAGGED, normalizer=normalizer, pre=pre)
     assert (tok.segmentable, tok.tokens_le_bytes) == (segmentable, le_bytes)
     counter = TokenCounter(tok, cache_bytes=1 << 16)

@@ -63,7 +63,7 @@ class TokenCounter:
             raise UnencodableText(str(exc)) from exc
 
     def provably_within(self, text: str, limit: int, *, add_special_tokens: bool = False) -> bool:
-        """True when count(text) ≤ limit follows from the byte length alone (O(1); tokenizers with tokens ≤ bytes)."""
+        """True when count(text) ≤ limit follows from the byte length alone (O(1); needs tokens ≤ bytes)."""
         if not self._tok.tokens_le_bytes:
             return False
         max_bytes = len(text) if text.isascii() else 4 * len(text)

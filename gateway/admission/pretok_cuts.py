@@ -22,7 +22,11 @@ _WINDOW = 256  # context pre-tokenized on each side of a candidate cut
 _MAX_TRIES = 8  # verified candidates per kind before giving up on a stretch of text
 # Candidate kinds, best first: after a newline; before a space; before punctuation that follows a letter
 # (CJK prose often has no spaces or newlines for thousands of characters).
-_CANDIDATES = {"newline": re.compile("\n"), "space": re.compile(" "), "punct": re.compile("[,.;:!?，。！？；：、]")}
+_CANDIDATES = {
+    "newline": re.compile("\n"),
+    "space": re.compile(" "),
+    "punct": re.compile("[,.;:!?，。！？；：、]"),
+}
 
 
 class PieceCutter:

@@ -46,7 +46,8 @@ class AddedTokenSplitter:
         self._by_content = {t.content: t for t in tokens}
         # Non-normalized tokens are extracted first; normalized ones then from the remaining pieces
         # (valid only without a normalizer, which ModelTokenizer.segmentable guarantees).
-        passes = (self._pattern([t for t in tokens if not t.normalized]), self._pattern([t for t in tokens if t.normalized]))
+        raw = self._pattern([t for t in tokens if not t.normalized])
+        passes = (raw, self._pattern([t for t in tokens if t.normalized]))
         self._passes = [p for p in passes if p is not None]
 
     @staticmethod
@@ -60,7 +61,9 @@ class AddedTokenSplitter:
         segments = [Segment(text, None)]
         for pattern in self._passes:
             segments = [
-                part for seg in segments for part in (self._split_one(seg.text, pattern) if seg.token_id is None else (seg,))
+                part
+                for seg in segments
+                for part in (self._split_one(seg.text, pattern) if seg.token_id is None else (seg,))
             ]
         return [s for s in segments if s.text or s.token_id is not None]
 
