@@ -12,9 +12,9 @@ from gateway.config import ConfigError, load_config
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvgate", description="Tenant-safe gateway for SGLang PD clusters")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the gateway")
-    serve.add_argument("--config", required=True, help="YAML configuration file")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve_parser = commands.add_parser("serve", help="run the gateway")
+    serve_parser.add_argument("--config", required=True, help="YAML configuration file")
+    serve_parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     preflight = commands.add_parser("preflight", help="check every engine's KV pool against the config, then exit")
     preflight.add_argument("--config", required=True)
     preflight.add_argument("--json", action="store_true", help="machine-readable output")
