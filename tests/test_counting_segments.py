@@ -106,6 +106,7 @@ FLAGGED = [
     AddedToken("<n>", normalized=True, special=False),
     AddedToken("<LR>x", normalized=False, special=False),  # longer overlapping token: leftmost-longest
     AddedToken("<", normalized=True, special=False),
+    AddedToken("x. y\nz", normalized=False, special=False),  # holds cut candidates of the pre-tokenizer
 ]
 TOY_ALPHABET = FRAGMENTS + [t.content for t in FLAGGED] + [" ", "  ", "\n", "wordy", "a"]
 
@@ -118,8 +119,8 @@ def toy() -> ModelTokenizer:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(TOY_ALPHABET), max_size=40).map("".join))
 def test_flags_lstrip_rstrip_single_word_normalized(toy: ModelTokenizer, text: str) -> None:
-    assert toy.segmentable
-    counter = TokenCounter(toy, cache_bytes=0)
+    assert toy.segmentable and toy.pretok_cuttable
+    counter = TokenCounter(toy, cache_bytes=0, piece_chars=4)  # tiny pieces: cuts next to flagged tokens too
     try:
         assert asyncio.run(counter.count(text, tenant="t")) == reference(toy, text)
     finally:

@@ -89,7 +89,8 @@ class TokenCounter:
                 return floor
         scope = cache_scope(self._tok.identity, tenant)
         missed: list[tuple[bytes, str]] = []
-        for seg in self._segments(text):
+        segments, split = self._segments(text)
+        for seg in segments:
             if seg.token_id is not None:
                 total += 1
                 continue
@@ -106,7 +107,7 @@ class TokenCounter:
         if budget is not None and budget < 0:
             return total
         try:
-            counts, complete = self._parallel.lengths([t for _, t in missed], budget)
+            counts, complete = self._parallel.lengths([t for _, t in missed], budget, cut=split)
         except EncodeFailed as exc:
             raise UnencodableText(str(exc)) from exc
         if complete:
@@ -114,10 +115,11 @@ class TokenCounter:
                 self._cache.put(key, n)
         return total + sum(counts)
 
-    def _segments(self, text: str) -> list[Segment]:
+    def _segments(self, text: str) -> tuple[list[Segment], bool]:
+        """Segments and whether they were split at added tokens (else: the whole text, counted uncut)."""
         if self._splitter is not None:
             try:
-                return self._splitter.split(text)
+                return self._splitter.split(text), True
             except UnsupportedSplit:
                 pass
-        return [Segment(text, None)]
+        return [Segment(text, None)], False
