@@ -88,7 +88,7 @@ class TokenCounter:
             if floor > limit:
                 return floor
         scope = cache_scope(self._tok.identity, tenant)
-        missed: list[tuple[bytes, str]] = []
+        missed: dict[bytes, tuple[str, int]] = {}  # key -> (text, occurrences in this prompt)
         segments, split = self._segments(text)
         for seg in segments:
             if seg.token_id is not None:
@@ -98,22 +98,24 @@ class TokenCounter:
                 key = text_key(scope, seg.text)
             except UnicodeEncodeError as exc:
                 raise UnencodableText(str(exc)) from exc
-            cached = self._cache.get(key)
-            if cached is None:
-                missed.append((key, seg.text))
+            if key in missed:
+                missed[key] = (seg.text, missed[key][1] + 1)
+            elif (cached := self._cache.get(key)) is None:
+                missed[key] = (seg.text, 1)
             else:
                 total += cached
         budget = None if limit is None else limit - total
         if budget is not None and budget < 0:
             return total
         try:
-            counts, complete = self._parallel.lengths([t for _, t in missed], budget, cut=split)
+            texts = [t for t, _ in missed.values()]
+            counts, complete = self._parallel.lengths(texts, budget, cut=split)
         except EncodeFailed as exc:
             raise UnencodableText(str(exc)) from exc
         if complete:
-            for (key, _), n in zip(missed, counts):
+            for key, n in zip(missed, counts):
                 self._cache.put(key, n)
-        return total + sum(counts)
+        return total + sum(n * times for n, (_, times) in zip(counts, missed.values()))
 
     def _segments(self, text: str) -> tuple[list[Segment], bool]:
         """Segments and whether they were split at added tokens (else: the whole text, counted uncut)."""
