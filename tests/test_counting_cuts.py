@@ -34,7 +34,7 @@ def reference(tok: ModelTokenizer, text: str) -> int:
     return len(tok.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(TEXTS, st.integers(min_value=1, max_value=40))
 def test_cut_pieces_sum_to_single_pass(glm: ModelTokenizer, text: str, piece_chars: int) -> None:
     assert glm.pretok_cuttable
@@ -44,7 +44,7 @@ def test_cut_pieces_sum_to_single_pass(glm: ModelTokenizer, text: str, piece_cha
     assert sum(counts) == reference(glm, text)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(TEXTS, st.sampled_from(["", "<|user|>", "<|assistant|>", "<think>"])), max_size=6))
 def test_counter_with_tiny_pieces_equals_single_pass(glm: ModelTokenizer, parts: list[tuple[str, str]]) -> None:
     text = "".join(a + b for a, b in parts)
@@ -79,4 +79,13 @@ def test_cjk_prose_without_spaces_is_cut_at_punctuation(glm: ModelTokenizer) -> 
     text = "网关在转发请求之前必须确认提示词能放进键值缓存，否则返回错误。" * 2000
     pieces = PieceCutter(glm.tokenizer.pre_tokenizer).cut(text, 1000)
     assert len(pieces) > 50
+    assert sum(len(e) for e in glm.tokenizer.encode_batch_fast(pieces)) == reference(glm, text)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(ATOMS, min_size=500, max_size=2500).map("".join), st.integers(min_value=100, max_value=600))
+def test_cuts_far_from_text_edges_sum_to_single_pass(glm: ModelTokenizer, text: str, piece_chars: int) -> None:
+    """Texts longer than the verification window, so cuts are checked with partial context only."""
+    pieces = PieceCutter(glm.tokenizer.pre_tokenizer).cut(text, piece_chars)
+    assert "".join(pieces) == text
     assert sum(len(e) for e in glm.tokenizer.encode_batch_fast(pieces)) == reference(glm, text)

@@ -69,7 +69,7 @@ def render_chats(n: int, seed: int) -> list[str]:
 def test_glm_chat_corpus_equals_single_pass(glm: ModelTokenizer) -> None:
     assert glm.segmentable
     counter = TokenCounter(glm, cache_bytes=1 << 20)
-    chats = render_chats(400, seed=1)
+    chats = render_chats(3000, seed=1)
 
     async def run() -> list[int]:
         return [await counter.count(c, tenant="t") for c in chats]
@@ -116,7 +116,7 @@ def toy() -> ModelTokenizer:
     return toy_tokenizer(FLAGGED)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(TOY_ALPHABET), max_size=40).map("".join))
 def test_flags_lstrip_rstrip_single_word_normalized(toy: ModelTokenizer, text: str) -> None:
     assert toy.segmentable and toy.pretok_cuttable
