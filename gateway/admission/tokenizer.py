@@ -49,31 +49,25 @@ class ModelTokenizer:
 
     def __init__(self, raw_json: bytes) -> None:
         self.identity = hashlib.sha256(raw_json).hexdigest()
-        spec = orjson.loads(raw_json)
-        self.tokenizer = tokenizers.Tokenizer.from_str(raw_json.decode("utf-8"))
+        tok = self.tokenizer = tokenizers.Tokenizer.from_str(raw_json.decode("utf-8"))
         # Count what the engine sees: a truncating or padding tokenizer.json would under/over-count.
-        self.tokenizer.no_truncation()
-        self.tokenizer.no_padding()
+        tok.no_truncation()
+        tok.no_padding()
+        tok.encode_special_tokens = False
         self.added_tokens = tuple(
-            AddedToken(
-                id=t["id"],
-                content=t["content"],
-                special=t.get("special", False),
-                lstrip=t.get("lstrip", False),
-                rstrip=t.get("rstrip", False),
-                normalized=t.get("normalized", False),
-                single_word=t.get("single_word", False),
-            )
-            for t in spec.get("added_tokens") or ()
+            AddedToken(i, t.content, t.special, t.lstrip, t.rstrip, t.normalized, t.single_word)
+            for i, t in sorted(tok.get_added_tokens_decoder().items())
         )
-        post = self.tokenizer.post_processor
+        post = tok.post_processor
         self.special_tokens_added = post.num_special_tokens_to_add(False) if post is not None else 0
-        normalizer, pre, model = spec.get("normalizer"), spec.get("pre_tokenizer"), spec.get("model") or {}
-        byte_level = _is_byte_level_bpe(pre, model)
-        self.tokens_le_bytes = normalizer is None and byte_level
-        self.max_token_bytes = self._max_token_bytes(model) if self.tokens_le_bytes else None
-        self.segmentable = _segments_are_independent(pre, normalizer, self.added_tokens)
-        self.pretok_cuttable = normalizer is None and _pre_tokenizer_is_local(pre) and model.get("type") == "BPE"
+        # The components' own serialised configuration, read back from the loaded tokenizer.
+        has_normalizer = tok.normalizer is not None
+        pre = orjson.loads(tok.pre_tokenizer.__getstate__()) if tok.pre_tokenizer is not None else None
+        bpe = isinstance(tok.model, tokenizers.models.BPE)
+        self.tokens_le_bytes = not has_normalizer and bpe and _is_byte_level(pre)
+        self.max_token_bytes = self._max_token_bytes() if self.tokens_le_bytes else None
+        self.segmentable = _segments_are_independent(pre, has_normalizer, self.added_tokens)
+        self.pretok_cuttable = not has_normalizer and bpe and _pre_tokenizer_is_local(pre)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ModelTokenizer:
@@ -88,12 +82,11 @@ class ModelTokenizer:
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
-    def _max_token_bytes(self, model: dict[str, Any]) -> int | None:
+    def _max_token_bytes(self) -> int | None:
         """Longest byte span one token can cover (byte-level vocab: one char per byte); None if unbounded."""
         if any(t.lstrip or t.rstrip for t in self.added_tokens):
             return None  # a stripping added token swallows an unbounded whitespace run
-        vocab = model.get("vocab") or {}
-        longest = max((len(piece) for piece in vocab), default=1)
+        longest = max((len(piece) for piece in self.tokenizer.get_vocab(with_added_tokens=False)), default=1)
         added = max((len(t.content.encode("utf-8")) for t in self.added_tokens), default=1)
         return max(longest, added)
 
@@ -106,13 +99,13 @@ def _pre_tokenizer_parts(pre: dict[str, Any] | None) -> list[dict[str, Any]]:
     return [pre]
 
 
-def _is_byte_level_bpe(pre: dict[str, Any] | None, model: dict[str, Any]) -> bool:
-    """Byte-level BPE without prefix insertion: every token covers ≥ 1 input byte, so tokens ≤ bytes."""
+def _is_byte_level(pre: dict[str, Any] | None) -> bool:
+    """Byte-level without prefix insertion: with BPE every token covers ≥ 1 input byte, so tokens ≤ bytes."""
     parts = _pre_tokenizer_parts(pre)
     byte_levels = [p for p in parts if p.get("type") == "ByteLevel"]
     others_only_cut = all(p.get("type") in _NON_INSERTING_PRETOKENIZERS | {"ByteLevel"} for p in parts)
     no_prefix = all(not p.get("add_prefix_space", False) for p in byte_levels)
-    return bool(byte_levels) and others_only_cut and no_prefix and model.get("type") == "BPE"
+    return bool(byte_levels) and others_only_cut and no_prefix
 
 
 def _pre_tokenizer_is_local(pre: dict[str, Any] | None) -> bool:
@@ -159,9 +152,7 @@ def _outside_classes(regex: str) -> str:
     return "".join(out)
 
 
-def _segments_are_independent(
-    pre: dict[str, Any] | None, normalizer: dict[str, Any] | None, added: tuple[AddedToken, ...]
-) -> bool:
+def _segments_are_independent(pre: dict[str, Any] | None, has_normalizer: bool, added: tuple[AddedToken, ...]) -> bool:
     """True when text between added tokens tokenizes the same wherever it sits in the prompt.
 
     The tokenizer processes each piece between added-token matches on its own; only a prefix-inserting
@@ -171,6 +162,6 @@ def _segments_are_independent(
     for p in _pre_tokenizer_parts(pre):
         if p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") == "first":
             return False
-    if normalizer is not None and any(t.normalized for t in added):
+    if has_normalizer and any(t.normalized for t in added):
         return False
     return True
