@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
+from gateway.admission import self_check
 from gateway.admission.counting import TokenCounter
 from gateway.admission.tokenizer import ModelTokenizer
 
@@ -164,3 +166,11 @@ def test_post_processor_tokens_are_added_once() -> None:
             assert counter.count_sync(text, add_special_tokens=True) == expected
     finally:
         counter.close()
+
+
+def test_load_time_probe_disables_a_broken_fast_path(glm: ModelTokenizer) -> None:
+    assert self_check.segmenting_holds(glm) and self_check.cutting_holds(glm)
+    # Facts that misdescribe the tokenizer (an lstrip flag dropped) make segmenting miscount: the probe notices.
+    toy = toy_tokenizer([*FLAGGED, AddedToken("<probe>", normalized=False)])  # an identity not probed yet
+    toy.added_tokens = tuple(dataclasses.replace(t, lstrip=False) for t in toy.added_tokens)
+    assert not self_check.segmenting_holds(toy)

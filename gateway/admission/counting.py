@@ -18,6 +18,7 @@ from gateway.admission.count_cache import CacheStats, CountCache, cache_scope, t
 from gateway.admission.parallel_count import PIECE_CHARS, EncodeFailed, ParallelCounter, encode_lengths
 from gateway.admission.pretok_cuts import PieceCutter
 from gateway.admission.segmenting import AddedTokenSplitter, Segment, UnsupportedSplit
+from gateway.admission.self_check import cutting_holds, segmenting_holds
 from gateway.admission.tokenizer import ModelTokenizer
 
 
@@ -37,8 +38,10 @@ class TokenCounter:
         """`threads`: cores used to count one long prompt (default: all); `piece_chars`: parallel work unit."""
         cores = threads or os.cpu_count() or 1
         self._tok = tokenizer
-        self._splitter = AddedTokenSplitter(tokenizer.added_tokens) if tokenizer.segmentable else None
-        cutter = PieceCutter(tokenizer.tokenizer.pre_tokenizer) if tokenizer.pretok_cuttable else None
+        segmentable = tokenizer.segmentable and segmenting_holds(tokenizer)
+        cuttable = tokenizer.pretok_cuttable and cutting_holds(tokenizer)
+        self._splitter = AddedTokenSplitter(tokenizer.added_tokens) if segmentable else None
+        cutter = PieceCutter(tokenizer.tokenizer.pre_tokenizer) if cuttable else None
         self._parallel = ParallelCounter(tokenizer.tokenizer, cutter, cores, piece_chars)
         self._cache = CountCache(cache_bytes)
         # Request threads mostly wait (in GIL-free encoding or on piece workers), so allow several at once.
