@@ -11,6 +11,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.config import GatewayConfig
 from gateway.proxy import GenerateEndpoint
@@ -21,7 +22,24 @@ def _json(payload: object, status: int = 200) -> Response:
     return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
 
 
-def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> Starlette:
+class GenerateFastPath:
+    """Sends the three generate routes straight to their endpoints, everything else to Starlette: Starlette's
+    routing and middleware cost ~5% of the gateway's CPU per request on the hot path, and add nothing there."""
+
+    def __init__(self, app: Starlette, endpoints: dict[str, GenerateEndpoint]) -> None:
+        self.app = app
+        self.endpoints = endpoints
+        self.state = app.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.endpoints.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+        else:
+            await endpoint(scope, receive, send)
+
+
+def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> ASGIApp:
     gateway = gateway or Gateway(config)
     started = int(time.time())
 
@@ -55,10 +73,10 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> Starlet
     async def metrics(_: Request) -> Response:
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    endpoints = {route: GenerateEndpoint(route, gateway)
+                 for route in ("/v1/chat/completions", "/v1/completions", "/generate")}
     routes = [
-        Route("/v1/chat/completions", GenerateEndpoint("/v1/chat/completions", gateway)),
-        Route("/v1/completions", GenerateEndpoint("/v1/completions", gateway)),
-        Route("/generate", GenerateEndpoint("/generate", gateway)),
+        *(Route(path, endpoint) for path, endpoint in endpoints.items()),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
@@ -66,4 +84,4 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> Starlet
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.gateway = gateway
-    return app
+    return GenerateFastPath(app, endpoints)

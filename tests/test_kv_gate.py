@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import generation_records, wait_for
-from tests.gateway_harness import ROOT, model_entry, running_gateway, write_config
+from tests.gateway_harness import ROOT, free_port, model_entry, running_gateway, write_config
 
 
 def _kvgate(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
@@ -134,3 +135,18 @@ def test_worker_restarted_with_a_smaller_pool_is_caught_before_its_next_request(
             assert statuses[-1] == 413 and set(statuses) <= {413, 503}
             assert not [r for r in generation_records(pair.decode) if r["prompt_tokens"] == 5000]
             assert client.get("/v1/models").json()["data"][0]["max_prompt_tokens"] == 3000 - 1 - 5 - 1
+
+
+def test_unreachable_worker_is_retried_until_the_startup_timeout_then_refused(tmp_path: Path) -> None:
+    class Dead:
+        url = f"http://127.0.0.1:{free_port()}"
+        bootstrap_port = 8998
+
+    config = write_config(tmp_path, [model_entry("glm-5", [Dead()], [Dead()])], gate={"startup_timeout_s": 1.5})
+    started = time.monotonic()
+    result = _kvgate("preflight", "--config", str(config), "--json")
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    assert 1.0 < elapsed < 20
+    workers = json.loads(result.stdout)["models"][0]["workers"]
+    assert all(w["verdict"] == "refuse" and "unreachable" in w["problems"][0] for w in workers)

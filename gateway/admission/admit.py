@@ -6,13 +6,18 @@ lowers to what the running engines' pools safely hold.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from gateway.admission.chat_template import ChatTemplate
 from gateway.admission.counting import TokenCounter, UnencodableText
 from gateway.admission.requests import ClientRequest
 from gateway.errors import bad_request, context_length_exceeded
+
+
+_RENDER_INLINE_CHARS = 64 * 1024
 
 
 @dataclass(slots=True)
@@ -90,7 +95,12 @@ class Admission:
         if request.prompt_ids is not None:
             return len(request.prompt_ids)
         if request.messages is not None:
-            text = self.template.render(request.messages, tools=request.tools, extra=request.template_kwargs)
+            render = partial(self.template.render, request.messages, tools=request.tools,
+                             extra=request.template_kwargs)
+            # Rendering holds the GIL either way; in a thread the event loop still runs at every GIL switch.
+            large = sum(len(m.get("content") or "") for m in request.messages
+                        if isinstance(m.get("content"), str)) > _RENDER_INLINE_CHARS
+            text = await asyncio.get_running_loop().run_in_executor(None, render) if large else render()
         else:
             text = request.prompt_text or ""
         try:
