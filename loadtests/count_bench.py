@@ -249,6 +249,15 @@ async def main() -> None:
         )
     print(f"cache: {counter.cache_stats}")
     counter.close()
+    one_message = render(template, [{"role": "user", "content": "\n\n".join(m["content"] for m in messages)}])
+    counter = cold_counter(mt)
+    t = time.perf_counter()
+    n = await counter.count(one_message, tenant="bench")
+    wall = time.perf_counter() - t
+    one_ref = len(tok.encode(one_message).ids)
+    exact &= n == one_ref
+    print(f"cold, the whole chat as ONE message (cut at pre-tokenizer splits): {n:,} tokens in {wall:.3f}s")
+    counter.close()
     counter = TokenCounter(mt)
     t = time.perf_counter()
     over = await counter.count(prompt, tenant="bench", limit=200_000)
