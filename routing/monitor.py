@@ -47,11 +47,12 @@ class WorkerMonitor:
             results = await asyncio.gather(*(self._read(w, with_metrics=True) for w in pending))
             readings.update(zip(pending, results))
             unreachable = [w for w in pending if readings[w].telemetry is None]
-            if not unreachable or time.monotonic() + backoff_s > deadline:
+            remaining_s = deadline - time.monotonic()
+            if not unreachable or remaining_s <= 0:
                 break
             log.info("waiting for %d unreachable worker(s): %s", len(unreachable),
                      ", ".join(w.url for w in unreachable))
-            await asyncio.sleep(backoff_s)
+            await asyncio.sleep(min(backoff_s, remaining_s))
             backoff_s = min(backoff_s * 2, 2.0)
         judgements = []
         for config, pool in self._models:
