@@ -17,7 +17,7 @@ from functools import partial
 from gateway.admission.count_cache import CacheStats, CountCache, cache_scope, text_key
 from gateway.admission.parallel_count import PIECE_CHARS, EncodeFailed, ParallelCounter, encode_lengths
 from gateway.admission.pretok_cuts import PieceCutter
-from gateway.admission.segmenting import AddedTokenSplitter, Segment, UnsupportedSplit
+from gateway.admission.segmenting import YIELD_CHARS, AddedTokenSplitter, Segment, UnsupportedSplit, yield_gil
 from gateway.admission.self_check import cutting_holds, segmenting_holds
 from gateway.admission.tokenizer import ModelTokenizer
 
@@ -101,10 +101,15 @@ class TokenCounter:
         scope = cache_scope(self._tok.identity, tenant)
         missed: dict[bytes, tuple[str, int]] = {}  # key -> (text, occurrences in this prompt)
         segments, split = self._segments(text)
+        since_yield = 0
         for seg in segments:
             if seg.token_id is not None:
                 total += 1
                 continue
+            since_yield += len(seg.text)
+            if since_yield > YIELD_CHARS:
+                yield_gil()
+                since_yield = 0
             try:
                 key = text_key(scope, seg.text)
             except UnicodeEncodeError as exc:

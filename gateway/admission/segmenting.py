@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import string
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,6 +20,15 @@ _WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u20
 _LEADING_SPACE = re.compile(f"[{_WHITE_SPACE}]*")
 _TRAILING_SPACE = re.compile(f"[{_WHITE_SPACE}]*\\Z")
 _NON_WORD = frozenset(string.whitespace + string.punctuation.replace("_", ""))
+
+
+# Long pure-Python loops in worker threads hand the GIL over every ~YIELD_CHARS characters of text (well
+# under a millisecond): otherwise the event loop waits out the interpreter's 5 ms switch interval.
+YIELD_CHARS = 1 << 17
+
+
+def yield_gil() -> None:
+    time.sleep(0)  # releases and re-takes the GIL, letting a waiting thread (the event loop) run
 
 
 class UnsupportedSplit(Exception):
@@ -70,7 +80,11 @@ class AddedTokenSplitter:
     def _split_one(self, text: str, pattern: re.Pattern[str]) -> list[Segment]:
         out: list[Segment] = []
         start_offset = 0
+        next_yield = YIELD_CHARS
         for m in pattern.finditer(text):
+            if m.start() > next_yield:
+                yield_gil()
+                next_yield = m.start() + YIELD_CHARS
             token = self._by_content[m.group()]
             start, stop = m.start(), m.end()
             if token.single_word:
