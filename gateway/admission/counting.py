@@ -15,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from gateway.admission.count_cache import CacheStats, CountCache, cache_scope, text_key
+from gateway.admission.gil import YIELD_CHARS, yield_gil
 from gateway.admission.parallel_count import PIECE_CHARS, EncodeFailed, ParallelCounter, encode_lengths
 from gateway.admission.pretok_cuts import PieceCutter
-from gateway.admission.segmenting import YIELD_CHARS, AddedTokenSplitter, Segment, UnsupportedSplit, yield_gil
+from gateway.admission.segmenting import AddedTokenSplitter, Segment, UnsupportedSplit
 from gateway.admission.self_check import cutting_holds, segmenting_holds
 from gateway.admission.tokenizer import ModelTokenizer
 

@@ -18,6 +18,8 @@ from itertools import pairwise
 
 import tokenizers
 
+from gateway.admission.gil import yield_gil
+
 _WINDOW = 256  # context pre-tokenized on each side of a candidate cut
 _MAX_TRIES = 8  # verified candidates per kind before giving up on a stretch of text
 # Candidate kinds, best first: after a newline; before a space; before punctuation that follows a letter
@@ -40,6 +42,7 @@ class PieceCutter:
         while lo < len(text) - piece_chars // 2:
             hi = min(lo + piece_chars, len(text))
             cut = self._find_cut(text, lo, hi)
+            yield_gil()
             if cut is None:
                 lo = hi
             else:

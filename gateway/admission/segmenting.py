@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import re
 import string
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gateway.admission.gil import YIELD_CHARS, yield_gil
 from gateway.admission.tokenizer import AddedToken
 
 # Rust regex `\s` (Unicode White_Space); Python's `\s` also matches U+001C..U+001F, which Rust does not.
@@ -20,15 +20,6 @@ _WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u20
 _LEADING_SPACE = re.compile(f"[{_WHITE_SPACE}]*")
 _TRAILING_SPACE = re.compile(f"[{_WHITE_SPACE}]*\\Z")
 _NON_WORD = frozenset(string.whitespace + string.punctuation.replace("_", ""))
-
-
-# Long pure-Python loops in worker threads hand the GIL over every ~YIELD_CHARS characters of text (well
-# under a millisecond): otherwise the event loop waits out the interpreter's 5 ms switch interval.
-YIELD_CHARS = 1 << 17
-
-
-def yield_gil() -> None:
-    time.sleep(0)  # releases and re-takes the GIL, letting a waiting thread (the event loop) run
 
 
 class UnsupportedSplit(Exception):
