@@ -6,7 +6,6 @@ Every failure becomes a `GatewayError` carrying its HTTP status; nothing maps a 
 from __future__ import annotations
 
 import orjson
-from starlette.responses import Response
 
 
 class GatewayError(Exception):
@@ -33,9 +32,6 @@ class GatewayError(Exception):
 
     def json(self) -> bytes:
         return orjson.dumps(self.body())
-
-    def response(self) -> Response:
-        return Response(self.json(), status_code=self.status, media_type="application/json")
 
     def sse_event(self) -> bytes:
         """The error as a final server-sent event, for a stream that has already started."""

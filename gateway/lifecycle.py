@@ -78,7 +78,7 @@ class InFlight:
             exchange.fail(GatewayError(503, "gateway is shutting down"))
 
 
-def map_engine_error(error: EngineError, timeouts: TimeoutsConfig) -> GatewayError:
+def map_engine_error(error: EngineError) -> GatewayError:
     """Engine failures → client statuses: 400 stays 400 (413 for a length rejection), 5xx and connection
     errors → 502, timeouts → 504. Never 200."""
     if error.timeout:
@@ -182,7 +182,7 @@ class PDExchange:
             worker = self.pair.prefill if error.role == "prefill" else self.pair.decode
             worker.admitted = False
             worker.gate_reason = "connection failed; awaiting re-verification"
-        self.fail(map_engine_error(error, self.timeouts))
+        self.fail(map_engine_error(error))
 
     def _total_timeout(self) -> None:
         self.fail(GatewayError(504, f"request exceeded its total time limit of {self.timeouts.total_s:g}s",

@@ -18,7 +18,7 @@ from gateway.lifecycle import InFlight, PDExchange, RoomAllocator
 from gateway.telemetry.metrics import GatewayMetrics
 from routing.gate import ModelJudgement
 from routing.monitor import WorkerMonitor
-from routing.pools import WorkerPair, pool_for
+from routing.pools import ModelPool, WorkerPair, pool_for
 
 log = logging.getLogger("kvgate")
 

@@ -44,8 +44,3 @@ class Worker:
     @property
     def usable(self) -> bool:
         return self.healthy and self.admitted
-
-    @property
-    def safe_prompt_limit(self) -> int | None:
-        """Largest prompt this worker's scheduler admits without the abort path that leaked: max_req_input_len - 1."""
-        return None if self.telemetry is None else self.telemetry.max_req_input_len - 1

@@ -69,7 +69,8 @@ def test_disconnect_during_slow_prefill_holds_prefill_to_its_end_and_decode_to_f
     # (not left to generate all 200 tokens).
     assert decode_record["first_token"] is not None  # decode produced its first token before being let go
     assert decode_record["connection_closed"] >= decode_record["first_token"]
-    assert decode_record["connection_closed"] >= prefill_record["end"]
+    # The prefill's own connection stayed open through its answer (the gateway keeps it alive for reuse).
+    assert prefill_record["connection_closed"] is None or prefill_record["connection_closed"] >= prefill_record["end"]
     assert decode_record["outcome"] == "aborted"
     assert decode_record["end"] - decode_record["arrival"] < 200 * 0.02
     wait_for(lambda: not gateway.gateway.in_flight.exchanges, timeout_s=5)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from loadtests.engine.harness import EnginePair, start_pair
+from loadtests.engine.harness import start_pair
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
 
 
