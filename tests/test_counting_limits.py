@@ -120,6 +120,6 @@ def test_event_loop_keeps_ticking_during_a_long_count(glm: ModelTokenizer) -> No
         return max(lags)
 
     try:
-        assert asyncio.run(run()) < 0.1  # single-pass `encode` would freeze it for ~0.5 s
+        assert asyncio.run(run()) < 0.25  # single-pass `encode` would freeze it for ~0.7 s
     finally:
         counter.close()
