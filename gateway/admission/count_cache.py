@@ -73,7 +73,3 @@ class CountCache:
         with self._lock:
             n = len(self._entries)
             return CacheStats(hits=self._hits, misses=self._misses, bytes=n * ENTRY_BYTES, entries=n)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
