@@ -1,89 +1,135 @@
-"""Decode's event stream → the non-streaming response body a client asked for.
+"""Decode's event stream → the non-streaming response body a client asked for, built as the events arrive.
 
 The gateway always streams from decode (to know when the first token came); a non-streaming client gets the same
-body SGLang would have sent it.
+body SGLang would have sent it. Memory stays proportional to the output: /generate events are cumulative, so only
+the last one is kept; OpenAI chunks are folded into the response as they come.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
 
-def assemble(route: str, events: list[bytes]) -> bytes:
+class Assembler(Protocol):
+    def add(self, payload: bytes) -> None: ...
+    def body(self) -> bytes: ...
+
+
+def assembler_for(route: str) -> Assembler:
     if route == "/generate":
-        # SGLang's /generate stream is cumulative: its last event is the whole response.
-        return events[-1]
-    chunks = [orjson.loads(event) for event in events]
+        return GenerateAssembler()
     if route == "/v1/chat/completions":
-        return orjson.dumps(_chat(chunks))
-    return orjson.dumps(_completion(chunks))
+        return ChatAssembler()
+    return CompletionAssembler()
 
 
-def _base(chunks: list[dict[str, Any]], obj: str) -> dict[str, Any]:
-    first = chunks[0]
-    usage = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
-    return {"id": first.get("id"), "object": obj, "created": first.get("created"), "model": first.get("model"),
-            "choices": [], "usage": usage}
+class GenerateAssembler:
+    """SGLang's /generate stream is cumulative: its last event is the whole response."""
+
+    def __init__(self) -> None:
+        self._last = b"{}"
+
+    def add(self, payload: bytes) -> None:
+        self._last = payload
+
+    def body(self) -> bytes:
+        return self._last
 
 
-def _chat(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    result = _base(chunks, "chat.completion")
-    content: list[str] = []
-    reasoning: list[str] = []
-    tool_calls: dict[int, dict[str, Any]] = {}
-    logprobs: list[Any] = []
-    finish_reason = matched_stop = None
-    role = "assistant"
-    for chunk in chunks:
+class _OpenAIAssembler:
+    object_name = ""
+
+    def __init__(self) -> None:
+        self._head: dict[str, Any] | None = None
+        self._usage: Any = None
+        self._finish_reason: Any = None
+        self._matched_stop: Any = None
+
+    def add(self, payload: bytes) -> None:
+        chunk = orjson.loads(payload)
+        if self._head is None:
+            self._head = {"id": chunk.get("id"), "object": self.object_name, "created": chunk.get("created"),
+                          "model": chunk.get("model")}
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
         for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            role = delta.get("role") or role
-            if delta.get("content"):
-                content.append(delta["content"])
-            if delta.get("reasoning_content"):
-                reasoning.append(delta["reasoning_content"])
-            for call in delta.get("tool_calls") or ():
-                _merge_tool_call(tool_calls, call)
-            if choice.get("logprobs") and choice["logprobs"].get("content"):
-                logprobs.extend(choice["logprobs"]["content"])
-            finish_reason = choice.get("finish_reason") or finish_reason
-            matched_stop = choice.get("matched_stop", matched_stop)
-    message: dict[str, Any] = {"role": role, "content": "".join(content) if content or not tool_calls else None,
-                               "reasoning_content": "".join(reasoning) or None,
-                               "tool_calls": [tool_calls[i] for i in sorted(tool_calls)] or None}
-    result["choices"].append({"index": 0, "message": message,
-                              "logprobs": {"content": logprobs} if logprobs else None,
-                              "finish_reason": finish_reason, "matched_stop": matched_stop})
-    return result
+            self._finish_reason = choice.get("finish_reason") or self._finish_reason
+            if "matched_stop" in choice:
+                self._matched_stop = choice["matched_stop"]
+            self._add_choice(choice)
+
+    def body(self) -> bytes:
+        head = self._head or {"id": None, "object": self.object_name, "created": None, "model": None}
+        return orjson.dumps({**head, "choices": [self._choice()], "usage": self._usage})
+
+    def _add_choice(self, choice: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _choice(self) -> dict[str, Any]:
+        raise NotImplementedError
 
 
-def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
-    index = delta.get("index", len(calls))
-    call = calls.setdefault(index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-    call["id"] = delta.get("id") or call["id"]
-    function = delta.get("function") or {}
-    call["function"]["name"] += function.get("name") or ""
-    call["function"]["arguments"] += function.get("arguments") or ""
+class ChatAssembler(_OpenAIAssembler):
+    object_name = "chat.completion"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._role = "assistant"
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._tool_calls: dict[int, dict[str, Any]] = {}
+        self._logprobs: list[Any] = []
+
+    def _add_choice(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta") or {}
+        self._role = delta.get("role") or self._role
+        if delta.get("content"):
+            self._content.append(delta["content"])
+        if delta.get("reasoning_content"):
+            self._reasoning.append(delta["reasoning_content"])
+        for call in delta.get("tool_calls") or ():
+            self._merge_tool_call(call)
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and logprobs.get("content"):
+            self._logprobs.extend(logprobs["content"])
+
+    def _merge_tool_call(self, delta: dict[str, Any]) -> None:
+        index = delta.get("index", len(self._tool_calls))
+        call = self._tool_calls.setdefault(index, {"id": None, "type": "function",
+                                                   "function": {"name": "", "arguments": ""}})
+        call["id"] = delta.get("id") or call["id"]
+        function = delta.get("function") or {}
+        call["function"]["name"] += function.get("name") or ""
+        call["function"]["arguments"] += function.get("arguments") or ""
+
+    def _choice(self) -> dict[str, Any]:
+        tool_calls = [self._tool_calls[i] for i in sorted(self._tool_calls)] or None
+        message = {"role": self._role,
+                   "content": "".join(self._content) if self._content or not tool_calls else None,
+                   "reasoning_content": "".join(self._reasoning) or None, "tool_calls": tool_calls}
+        return {"index": 0, "message": message, "logprobs": {"content": self._logprobs} if self._logprobs else None,
+                "finish_reason": self._finish_reason, "matched_stop": self._matched_stop}
 
 
-def _completion(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    result = _base(chunks, "text_completion")
-    text: list[str] = []
-    finish_reason = matched_stop = None
-    logprobs: dict[str, list[Any]] | None = None
-    for chunk in chunks:
-        for choice in chunk.get("choices") or ():
-            text.append(choice.get("text") or "")
-            finish_reason = choice.get("finish_reason") or finish_reason
-            matched_stop = choice.get("matched_stop", matched_stop)
-            part = choice.get("logprobs")
-            if part:
-                logprobs = logprobs or {key: [] for key in part}
-                for key, values in part.items():
-                    if isinstance(values, list):
-                        logprobs.setdefault(key, []).extend(values)
-    result["choices"].append({"index": 0, "text": "".join(text), "logprobs": logprobs,
-                              "finish_reason": finish_reason, "matched_stop": matched_stop})
-    return result
+class CompletionAssembler(_OpenAIAssembler):
+    object_name = "text_completion"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text: list[str] = []
+        self._logprobs: dict[str, list[Any]] | None = None
+
+    def _add_choice(self, choice: dict[str, Any]) -> None:
+        self._text.append(choice.get("text") or "")
+        part = choice.get("logprobs")
+        if isinstance(part, dict) and part:
+            self._logprobs = self._logprobs or {key: [] for key in part}
+            for key, values in part.items():
+                if isinstance(values, list):
+                    self._logprobs.setdefault(key, []).extend(values)
+
+    def _choice(self) -> dict[str, Any]:
+        return {"index": 0, "text": "".join(self._text), "logprobs": self._logprobs,
+                "finish_reason": self._finish_reason, "matched_stop": self._matched_stop}

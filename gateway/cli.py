@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "serve":
-            return serve(args.config, args.log_level)
+            from gateway.server import serve
+            return serve(load_config(args.config), log_level=args.log_level)
         if args.command == "preflight":
             from gateway.preflight import run_preflight
             return run_preflight(load_config(args.config), as_json=args.json)
@@ -34,21 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvgate: configuration error: {exc}", file=sys.stderr)
         return 2
-
-
-def serve(config_path: str, log_level: str) -> int:
-    import uvicorn
-
-    from gateway.app import create_app
-
-    config = load_config(config_path)
-    app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.listen.host, port=config.listen.port,
-                                           log_level=log_level, access_log=False, loop="uvloop",
-                                           http="httptools", lifespan="on"))
-    server.run()
-    # uvicorn reports a failed startup (e.g. a model refused by the KV-pool gate) only by not having started.
-    return 0 if server.started else 3
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.admission.chat import APPLY_CHAT_TEMPLATE_PARAMETERS, SGLANG_HANDLED_KWARGS
+
 
 class ConfigError(Exception):
     """The configuration file cannot be used; the message says which key and why."""
@@ -35,6 +37,7 @@ class TimeoutsConfig(_Strict):
     idle_s: float = Field(60.0, gt=0, description="longest silence between two decode chunks")
     total_s: float = Field(1800.0, gt=0, description="whole request, end to end")
     abort_s: float = Field(5.0, gt=0, description="one /abort_request call")
+    client_body_s: float = Field(30.0, gt=0, description="a client's whole request body")
 
 
 class PrefillWorkerConfig(_Strict):
@@ -74,6 +77,10 @@ class ModelConfig(_Strict):
     on_pool_mismatch: Literal["refuse", "clamp"] = "refuse"
     min_engine_version: str = "0.5.22"
     on_old_engine: Literal["warn", "refuse"] = "warn"
+    release: Literal["verified", "immediate"] = Field(
+        "verified", description="verified: no output before every engine's prompt count equals the gateway's")
+    chat_template_kwargs: list[str] | None = Field(
+        None, description="keys a client may send in chat_template_kwargs (default: the template's own variables)")
     prefill: list[PrefillWorkerConfig] = Field(min_length=1)
     decode: list[DecodeWorkerConfig] = Field(min_length=1)
 
@@ -91,12 +98,22 @@ class ModelConfig(_Strict):
             raise ValueError("default_max_tokens must be smaller than context_length")
         return self
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, names: list[str] | None) -> list[str] | None:
+        # `documents` is a parameter of apply_chat_template, but it only feeds the template variable of that name.
+        forbidden = sorted(set(names or ()) & ((APPLY_CHAT_TEMPLATE_PARAMETERS - {"documents"})
+                                                | SGLANG_HANDLED_KWARGS))
+        if forbidden:
+            raise ValueError(f"{forbidden} change how the engine renders or tokenizes, not what the template "
+                             "reads; they cannot be allowed")
+        return names
+
 
 class GateConfig(_Strict):
-    """How workers' KV-pool telemetry is checked (see routing.gate)."""
+    """How workers' KV-pool telemetry is checked at startup (see routing.gate)."""
 
     startup_timeout_s: float = Field(30.0, gt=0)
-    recheck_interval_s: float = Field(30.0, gt=0)
     start_anyway: bool = Field(False, description="serve other models when one fails the gate; it answers 503")
 
 
@@ -105,7 +122,6 @@ class HealthConfig(_Strict):
     timeout_s: float = Field(5.0, gt=0)
     failure_threshold: int = Field(3, ge=1)
     success_threshold: int = Field(2, ge=1)
-    endpoint: str = "/health"
 
 
 class GatewayConfig(_Strict):
@@ -114,6 +130,9 @@ class GatewayConfig(_Strict):
     gate: GateConfig = GateConfig()
     health: HealthConfig = HealthConfig()
     max_body_bytes: int = Field(64 * 2**20, gt=0)
+    max_header_bytes: int = Field(64 * 1024, gt=0, description="request line plus all headers")
+    max_headers: int = Field(100, gt=0)
+    max_connections: int = Field(1024, gt=0, description="open client connections; beyond it new requests get 503")
     token_cache_bytes: int = Field(64 * 2**20, ge=0)
     models: list[ModelConfig] = Field(min_length=1)
 

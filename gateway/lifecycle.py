@@ -1,46 +1,91 @@
 """One PD request, from dispatch to the last byte: the place where kvgate's promises live.
 
-    DISPATCHED ─ both halves sent at once, same gateway-owned rid and bootstrap_room
-      ├─ prefill: read to its end (it answers only after the KV transfer), then checked
-      └─ decode:  streamed (even for non-streaming clients, to see the first token), relayed as it comes
-    DONE       ─ decode sent [DONE] and prefill answered 2xx with a clean body
-    CANCELLED  ─ any failure of either half: the other half is closed and sent /abort_request at once
+    DISPATCHED ─ both halves sent at once with the same gateway-owned rid and bootstrap_room
+      ├─ prefill: read to its end (it answers only after the KV transfer), checked, its prompt count verified
+      └─ decode:  streamed (even for a non-streaming client, to see the first token), each event checked
+    RELEASE    ─ with `release: verified` (the default) no decode byte reaches the relay until prefill has answered
+                 2xx and every prompt count the engines reported equals the gateway's own; `immediate` relays at once
+    DONE       ─ decode sent [DONE], prefill answered 2xx with a clean body, every reported count verified
+    CANCELLED  ─ any failure of either half or a count mismatch; the cancel order is fixed:
+                   1. if prefill's fate is unknown (in flight, timed out, connection dropped): close it, send
+                      /abort_request and wait for that answer (bounded by timeouts.abort_s)
+                   2. only then close decode and send it /abort_request
+                 so a decode never frees KV pages that a prefill may still be writing into.
     CLIENT GONE ─ the request keeps running until prefill has answered and decode has produced its first token
-                  (so no KV transfer is cut mid-way), then decode is closed and sent /abort_request.
+                  (no KV transfer is cut mid-way), then decode is closed and sent /abort_request.
 
-The exchange runs in tasks of its own, never in the client's handler, so a disconnect cannot cancel it; it is kept
-alive by `InFlight` until both halves are closed and every abort has been sent.
+The exchange runs in tasks of its own, never in the client's handler, so a disconnect cannot cancel it; `InFlight`
+keeps it alive until both halves are closed and every abort has been sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
-import aiohttp
 import orjson
 
 from gateway.admission.admit import AdmittedRequest
 from gateway.config import TimeoutsConfig
-from gateway.engines import EngineClient, EngineError, error_message, is_length_rejection, iter_sse_data
 from gateway.errors import GatewayError
+from routing.engines.client import error_message
+from routing.engines.errors import (EngineBroken, EngineChanged, EngineError, EngineRejected, EngineTimeout,
+                                    EngineUnreachable, is_length_rejection)
 from routing.pools import WorkerPair
 from routing.workers import Worker
 
-DONE = object()          # decode finished and prefill was verified
-CLIENT_GONE = object()   # the client disconnected; the relay stops
+log = logging.getLogger("kvgate.lifecycle")
+
+Release = Literal["verified", "immediate"]
 
 
+# ── what the relay receives ─────────────────────────────────────────────────────────────────────────────────
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Decode finished, prefill answered 2xx, every reported count verified: the response may be completed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientGone:
+    """The client disconnected; the relay stops (the exchange itself goes on as the contract says)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Failure:
     """The first failure of an exchange, as the client will see it."""
 
-    __slots__ = ("error",)
+    error: GatewayError
 
-    def __init__(self, error: GatewayError) -> None:
-        self.error = error
+
+RelayEvent = bytes | Done | ClientGone | Failure  # bytes: one released decode event payload
+
+
+@dataclass(frozen=True, slots=True)
+class PromptMismatch:
+    """An engine reported a prompt length other than the gateway counted (never carries prompt text)."""
+
+    role: str
+    worker: str
+    reported: int | None
+    expected: int
+
+
+# ── what the lifecycle needs from the engine client (a fake one drives the in-process tests) ─────────────────
+class EngineStream(Protocol):
+    async def body(self) -> bytes: ...
+    def events(self) -> AsyncIterator[bytes]: ...
+    def close(self) -> None: ...
+
+
+class Engines(Protocol):
+    async def generate(self, worker: Worker, path: str, body: bytes) -> EngineStream: ...
+    async def abort(self, url: str, rid: str) -> bool: ...
 
 
 def new_rid() -> str:
@@ -75,28 +120,33 @@ class InFlight:
         if waiting:
             await asyncio.wait(waiting, timeout=timeout_s)
         for exchange in list(self.exchanges):
-            exchange.fail(GatewayError(503, "gateway is shutting down"))
+            exchange.fail(GatewayError(503, "gateway is shutting down", code="shutting_down"))
 
 
 def map_engine_error(error: EngineError) -> GatewayError:
-    """Engine failures → client statuses: 400 stays 400 (413 for a length rejection), 5xx and connection
-    errors → 502, timeouts → 504. Never 200."""
-    if error.timeout:
-        return GatewayError(504, str(error), code=f"{error.role}_timeout")
-    if error.length_rejection:
-        return GatewayError(413, str(error), code="context_length_exceeded")
-    if error.status == 400:
-        return GatewayError(400, str(error), code=f"{error.role}_bad_request")
-    if error.status == 429:
-        return GatewayError(503, str(error), code=f"{error.role}_overloaded")
-    return GatewayError(502, str(error), code=f"{error.role}_failed")
+    """Engine failures → client statuses: 400 stays 400 (413 for a length rejection), a changed worker 503, other
+    rejections, broken or unreachable connections 502, timeouts 504. Never 200."""
+    role = error.role
+    match error:
+        case EngineTimeout():
+            return GatewayError(504, str(error), code=f"{role}_timeout")
+        case EngineChanged():
+            return GatewayError(503, str(error), code="worker_changed")
+        case EngineRejected(length_rejection=True):
+            return GatewayError(413, str(error), code="context_length_exceeded")
+        case EngineRejected(status=400):
+            return GatewayError(400, str(error), code=f"{role}_bad_request")
+        case EngineRejected(status=429):
+            return GatewayError(503, str(error), code=f"{role}_overloaded")
+        case _:
+            return GatewayError(502, str(error), code=f"{role}_failed")
 
 
 class PDExchange:
-    """Both halves of one request. Created by the proxy, which then reads `events` (decode payloads)."""
+    """Both halves of one request. Created by the proxy, which then reads `events`."""
 
-    def __init__(self, engines: EngineClient, pair: WorkerPair, admitted: AdmittedRequest, *,
-                 timeouts: TimeoutsConfig, in_flight: InFlight, rooms: RoomAllocator,
+    def __init__(self, engines: Engines, pair: WorkerPair, admitted: AdmittedRequest, *, timeouts: TimeoutsConfig,
+                 release: Release, in_flight: InFlight, rooms: RoomAllocator,
                  on_closed: Callable[[PDExchange], None] | None = None) -> None:
         self.engines = engines
         self.pair = pair
@@ -104,17 +154,29 @@ class PDExchange:
         self.timeouts = timeouts
         self.rid = new_rid()
         self.room = rooms.acquire()
-        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.events: asyncio.Queue[RelayEvent] = asyncio.Queue()
         self.failure: Failure | None = None
+        self.mismatch: PromptMismatch | None = None
         self.client_gone = False
-        self.prefill_ok: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.started_at = time.monotonic()
         self.first_token_at: float | None = None
-        self.decode_finished = False
+        self.released_at: float | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        prefill_identity = pair.prefill.verified
+        counted = admitted.prompt_tokens_for(prefill_identity.version) if prefill_identity else None
+        self.prompt_tokens = counted if counted is not None else admitted.most_prompt_tokens
+        self._release_verified = release == "verified"
+        self._released = False
+        self._held: list[bytes] = []
+        self._prefill_ok = False
+        self._prefill_fate_known = False
+        self._decode_counted = False
+        self._decode_finished = False
+        self._done = False
         self._rooms = rooms
         self._in_flight = in_flight
         self._on_closed = on_closed
+        self._loads = ExitStack()
         self._tasks: set[asyncio.Task[None]] = set()
         self._prefill_task: asyncio.Task[None] | None = None
         self._decode_task: asyncio.Task[None] | None = None
@@ -122,25 +184,28 @@ class PDExchange:
 
     # ── dispatch ────────────────────────────────────────────────────────────────────────────────────────────
     def start(self) -> None:
-        body = self.admitted.engine_body()
-        body["rid"] = self.rid
-        body["bootstrap_room"] = self.room
-        body["bootstrap_host"] = self.pair.prefill.bootstrap_host
-        body["bootstrap_port"] = self.pair.prefill.bootstrap_port
-        prefill_body = orjson.dumps({**body, "stream": False})
-        body["stream"] = True
-        if self.admitted.request.route != "/generate" and not self.admitted.request.stream:
-            # A non-streaming client still gets usage; the decode stream only carries it on request.
-            body["stream_options"] = {"include_usage": True}
-        decode_body = orjson.dumps(body)
-        self.pair.prefill.in_flight += 1
-        self.pair.decode.in_flight += 1
+        prefill_body, decode_body = self._engine_bodies()
+        self._loads.enter_context(self.pair.prefill.load())
+        self._loads.enter_context(self.pair.decode.load())
         self._in_flight.exchanges.add(self)
         self._prefill_task = self._spawn(self._run_prefill(prefill_body))
         self._decode_task = self._spawn(self._run_decode(decode_body))
         self._total_timer = asyncio.get_running_loop().call_later(self.timeouts.total_s, self._total_timeout)
 
-    def _spawn(self, coroutine: Any) -> asyncio.Task[None]:
+    def _engine_bodies(self) -> tuple[bytes, bytes]:
+        """The admitted body plus the gateway-owned fields (spliced: the body is never parsed again)."""
+        base = self.admitted.engine_body
+        prefill = self.pair.prefill
+        owned = b',"rid":%s,"bootstrap_room":%d,"bootstrap_host":%s,"bootstrap_port":%s' % (
+            orjson.dumps(self.rid), self.room, orjson.dumps(prefill.bootstrap_host),
+            orjson.dumps(prefill.bootstrap_port))
+        # The decode always streams, to see the first token; on the OpenAI routes it reports usage in every event.
+        decode_extra = b',"stream":true' if self.admitted.route == "/generate" else \
+            b',"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
+        head = base[:-1] + owned
+        return head + b',"stream":false}', head + decode_extra + b"}"
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -154,8 +219,7 @@ class PDExchange:
     def _close(self) -> None:
         if self._total_timer is not None:
             self._total_timer.cancel()
-        self.pair.prefill.in_flight -= 1
-        self.pair.decode.in_flight -= 1
+        self._loads.close()
         self._rooms.release(self.room)
         self._in_flight.exchanges.discard(self)
         self.closed.set_result(None)
@@ -164,120 +228,163 @@ class PDExchange:
 
     # ── outcomes ────────────────────────────────────────────────────────────────────────────────────────────
     def fail(self, error: GatewayError) -> None:
-        """The first failure wins: both halves still running are cancelled (each aborts itself on the way out)."""
+        """The first failure wins: the relay hears of it, and both halves are cancelled in the safe order."""
         if self.failure is not None:
             return
         self.failure = Failure(error)
+        self._held.clear()
         self.events.put_nowait(self.failure)
-        if not self.prefill_ok.done():
-            self.prefill_ok.set_result(False)
-        for task in (self._prefill_task, self._decode_task):
-            if task is not None and not task.done():
-                task.cancel()
-
-    def _fail_engine(self, error: EngineError) -> None:
-        if error.unreachable:
-            # A refused connection may be a restart: keep the worker out of rotation until the monitor has read
-            # its telemetry again and it has passed the KV-pool gate.
-            worker = self.pair.prefill if error.role == "prefill" else self.pair.decode
-            worker.admitted = False
-            worker.gate_reason = "connection failed; awaiting re-verification"
-        self.fail(map_engine_error(error))
-
-    def _total_timeout(self) -> None:
-        self.fail(GatewayError(504, f"request exceeded its total time limit of {self.timeouts.total_s:g}s",
-                               code="total_timeout"))
+        self._spawn(self._cancel())
 
     def disconnect(self) -> None:
         """The client went away: hold prefill to its answer and decode to its first token, then stop."""
         if self.client_gone:
             return
         self.client_gone = True
-        self.events.put_nowait(CLIENT_GONE)
+        self.events.put_nowait(ClientGone())
         if self.first_token_at is not None and self._decode_task is not None and not self._decode_task.done():
             self._decode_task.cancel()
+
+    def _total_timeout(self) -> None:
+        self.fail(GatewayError(504, f"request exceeded its total time limit of {self.timeouts.total_s:g}s",
+                               code="total_timeout"))
+
+    async def _cancel(self) -> None:
+        prefill, decode = self.pair.prefill, self.pair.decode
+        if not self._prefill_fate_known:
+            await _stop(self._prefill_task)
+            await self.engines.abort(prefill.url, self.rid)
+        await _stop(self._decode_task)
+        if not self._decode_finished:
+            await self.engines.abort(decode.url, self.rid)
+
+    # ── release ─────────────────────────────────────────────────────────────────────────────────────────────
+    def _emit(self, payload: bytes) -> None:
+        if self._released:
+            self.events.put_nowait(payload)
+        else:
+            self._held.append(payload)
+            self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        if self.failure is not None:
+            return
+        if not self._released and (not self._release_verified
+                                   or (self._prefill_ok and (self._decode_counted or self._decode_finished))):
+            self._released = True
+            self.released_at = time.monotonic()
+            for payload in self._held:
+                self.events.put_nowait(payload)
+            self._held.clear()
+        if self._released and self._decode_finished and self._prefill_ok and not self._done:
+            self._done = True
+            self.events.put_nowait(Done())
+
+    def _verify_count(self, role: str, worker: Worker, reported: int | None, version: str) -> None:
+        expected = self.admitted.prompt_tokens_for(version)
+        if expected is not None and reported == expected:
+            return
+        self.mismatch = PromptMismatch(role, worker.url, reported, expected if expected is not None else -1)
+        log.error("prompt token mismatch: rid=%s model=%s prefill=%s decode=%s role=%s engine_count=%s "
+                  "gateway_count=%s engine_version=%s", self.rid, self.admitted.model, self.pair.prefill.url,
+                  self.pair.decode.url, role, reported, expected, version)
+        raise PromptCountMismatch(
+            f"{role} worker {worker.url} reported {reported} prompt tokens where the gateway counted "
+            f"{expected}; the request was cancelled before any output was released")
 
     # ── prefill half ────────────────────────────────────────────────────────────────────────────────────────
     async def _run_prefill(self, body: bytes) -> None:
         worker = self.pair.prefill
-        ok = False
+        response: EngineStream | None = None
         try:
+            version = _verified_version(worker)
             async with asyncio.timeout(self.timeouts.prefill_s):
-                response = await self.engines.post("prefill", worker.url + self.admitted.request.route, body)
-                try:
-                    payload = await response.read()
-                finally:
-                    response.release()
-            _check_prefill_body(payload)
-            ok = True
-            if not self.prefill_ok.done():
-                self.prefill_ok.set_result(True)
+                response = await self.engines.generate(worker, self.admitted.route, body)
+                payload = await response.body()
+            self._prefill_fate_known = True
+            result = _parse_result("prefill", payload)
+            self._verify_count("prefill", worker, _reported_prompt_tokens(self.admitted.route, result), version)
+            self._prefill_ok = True
+            self._maybe_release()
         except TimeoutError:
-            self._fail_engine(EngineError("prefill", f"prefill did not answer within {self.timeouts.prefill_s:g}s",
-                                          timeout=True))
+            self.fail(map_engine_error(EngineTimeout(
+                "prefill", f"prefill did not answer within {self.timeouts.prefill_s:g}s")))
+        except PromptCountMismatch as exc:
+            self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
+        except (EngineRejected, EngineUnreachable, EngineChanged) as error:
+            self._prefill_fate_known = True  # it answered, or the request never reached it
+            self.fail(map_engine_error(error))
         except EngineError as error:
-            self._fail_engine(error)
-        except (aiohttp.ClientError, OSError) as error:
-            self._fail_engine(EngineError("prefill", f"prefill connection failed: {error!r}"))
+            self.fail(map_engine_error(error))
         finally:
-            if not ok:
-                self._spawn(self._abort(worker))
+            if response is not None:
+                response.close()
 
     # ── decode half ─────────────────────────────────────────────────────────────────────────────────────────
     async def _run_decode(self, body: bytes) -> None:
         worker = self.pair.decode
-        response: aiohttp.ClientResponse | None = None
+        route = self.admitted.route
+        response: EngineStream | None = None
         watchdog: IdleWatchdog | None = None
         try:
+            version = _verified_version(worker)
             async with asyncio.timeout(self.timeouts.first_token_s):
-                response = await self.engines.post("decode", worker.url + self.admitted.request.route, body)
-                events = iter_sse_data(response)
+                response = await self.engines.generate(worker, route, body)
+                events = aiter(response.events())
                 first = await anext(events, None)
             if first is None or first == b"[DONE]":
-                raise EngineError("decode", "decode stream ended before its first token")
-            _check_decode_event(first)
+                raise EngineBroken("decode", "decode stream ended before its first token")
             self.first_token_at = time.monotonic()
-            self.events.put_nowait(first)
+            self._on_decode_event(first, worker, version)
             if self.client_gone:
                 return
             watchdog = IdleWatchdog(self.timeouts.idle_s, asyncio.current_task())
             async for data in events:
                 watchdog.touch()
                 if data == b"[DONE]":
-                    self.decode_finished = True
+                    self._decode_finished = True
                     continue
-                if b'"error"' in data or b'"abort"' in data:
-                    _check_decode_event(data)
-                self.events.put_nowait(data)
-            if not self.decode_finished:
-                raise EngineError("decode", "decode stream ended without [DONE]")
-            self.events.put_nowait(DONE)
+                self._on_decode_event(data, worker, version)
+            if not self._decode_finished:
+                raise EngineBroken("decode", "decode stream ended without [DONE]")
+            self._maybe_release()
         except TimeoutError:
-            self._fail_engine(EngineError("decode", f"decode produced no first token within "
-                                          f"{self.timeouts.first_token_s:g}s", timeout=True))
+            self.fail(map_engine_error(EngineTimeout(
+                "decode", f"decode produced no first token within {self.timeouts.first_token_s:g}s")))
+        except PromptCountMismatch as exc:
+            self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
         except EngineError as error:
-            self._fail_engine(error)
-        except (aiohttp.ClientError, OSError) as error:
-            self._fail_engine(EngineError("decode", f"decode stream broke: {error!r}"))
+            self.fail(map_engine_error(error))
         except asyncio.CancelledError:
             if watchdog is not None and watchdog.fired and self.failure is None:
-                self._fail_engine(EngineError("decode", f"decode sent nothing for {self.timeouts.idle_s:g}s",
-                                              timeout=True))
+                self.fail(map_engine_error(EngineTimeout(
+                    "decode", f"decode sent nothing for {self.timeouts.idle_s:g}s")))
             elif not self.client_gone and self.failure is None:
                 raise
         finally:
             if watchdog is not None:
                 watchdog.stop()
             if response is not None:
-                if self.decode_finished:
-                    response.release()
-                else:
-                    response.close()
-            if not self.decode_finished:
+                response.close()
+            if self.client_gone and self.failure is None and not self._decode_finished:
                 self._spawn(self._abort(worker))
+
+    def _on_decode_event(self, data: bytes, worker: Worker, version: str) -> None:
+        if b'"error"' in data or b'"abort"' in data:
+            _parse_result("decode", data)
+        if not self._decode_counted:
+            reported = _reported_prompt_tokens(self.admitted.route, _parse_event(data))
+            if reported is not None:
+                self._verify_count("decode", worker, reported, version)
+                self._decode_counted = True
+        self._emit(data)
 
     async def _abort(self, worker: Worker) -> None:
         await self.engines.abort(worker.url, self.rid)
+
+
+class PromptCountMismatch(Exception):
+    """An engine's own prompt count differs from the gateway's: the request must not produce output."""
 
 
 class IdleWatchdog:
@@ -310,39 +417,60 @@ class IdleWatchdog:
             self._timer.cancel()
 
 
-def _check_prefill_body(payload: bytes) -> None:
-    """A 200 prefill can still carry an error or an abort (SGLang 0.5.8 answers 200 for a prompt it swapped)."""
+async def _stop(task: asyncio.Task[None] | None) -> None:
+    """Cancel a half and wait until it has closed its connection."""
+    if task is None or task is asyncio.current_task():
+        return
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def _verified_version(worker: Worker) -> str:
+    identity = worker.verified
+    if identity is None:
+        raise EngineChanged(worker.role, f"{worker.role} worker {worker.url} left rotation before dispatch")
+    return identity.version
+
+
+def _parse_event(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise EngineBroken("decode", f"decode sent an event that is not JSON: {data[:200]!r}") from exc
+
+
+def _parse_result(role: Literal["prefill", "decode"], payload: bytes) -> dict[str, Any]:
+    """The engine's JSON result; an error or abort inside a 2xx (SGLang 0.5.8 answers 200 for a prompt it
+    swapped, and may answer 2xx in its OpenAI error shape) is a rejection."""
     try:
         parsed = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
-        raise EngineError("prefill", "prefill answered 2xx with a body that is not JSON") from exc
-    _raise_if_failed("prefill", parsed)
-
-
-def _check_decode_event(data: bytes) -> None:
-    try:
-        parsed = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise EngineError("decode", f"decode sent an event that is not JSON: {data[:200]!r}") from exc
-    _raise_if_failed("decode", parsed)
-
-
-def _raise_if_failed(role: str, parsed: Any) -> None:
+        raise EngineBroken(role, f"{role} answered 2xx with a body that is not JSON") from exc
     if not isinstance(parsed, dict):
-        raise EngineError(role, f"{role} answered with unexpected JSON")
-    if "error" in parsed:
-        error = parsed["error"]
-        message = error_message(orjson.dumps(parsed))
+        raise EngineBroken(role, f"{role} answered with unexpected JSON")
+    if "error" in parsed or parsed.get("object") == "error":
+        message = error_message(payload)
+        error = parsed.get("error", parsed)
         code = error.get("code") if isinstance(error, dict) else None
-        status = code if isinstance(code, int) else 500
-        raise EngineError(role, f"{role} reported an error: {message}", status=status,
-                          length_rejection=is_length_rejection(message))
-    finish = (parsed.get("meta_info") or {}).get("finish_reason")
+        status = code if isinstance(code, int) and 400 <= code < 600 else 502
+        raise EngineRejected(role, f"{role} reported an error: {message}", status=status)
+    meta = parsed.get("meta_info")
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
     if isinstance(finish, dict) and finish.get("type") == "abort":
         message = str(finish.get("message") or "request aborted")
-        status = finish.get("status_code") if isinstance(finish.get("status_code"), int) else 500
-        raise EngineError(role, f"{role} aborted the request: {message}", status=status,
-                          length_rejection=is_length_rejection(message))
+        status = finish.get("status_code") if isinstance(finish.get("status_code"), int) else 502
+        raise EngineRejected(role, f"{role} aborted the request: {message}",
+                             status=400 if is_length_rejection(message) else status)
     for choice in parsed.get("choices") or ():
         if isinstance(choice, dict) and choice.get("finish_reason") == "abort":
-            raise EngineError(role, f"{role} aborted the request", status=500)
+            raise EngineRejected(role, f"{role} aborted the request", status=502)
+    return parsed
+
+
+def _reported_prompt_tokens(route: str, result: Any) -> int | None:
+    """The engine's own prompt count: `meta_info.prompt_tokens` on /generate, `usage.prompt_tokens` on OpenAI."""
+    if not isinstance(result, dict):
+        return None
+    holder = result.get("meta_info") if route == "/generate" else result.get("usage")
+    value = holder.get("prompt_tokens") if isinstance(holder, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

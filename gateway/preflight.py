@@ -11,16 +11,19 @@ from typing import Any
 import orjson
 
 from gateway.config import GatewayConfig
-from gateway.engines import EngineClient
+from gateway.runtime import health_spec, model_spec
+from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
 from routing.monitor import WorkerMonitor
 from routing.pools import pool_for
 
 
 async def collect(config: GatewayConfig) -> list[ModelJudgement]:
-    engines = EngineClient(connect_timeout_s=config.timeouts.connect_s, abort_timeout_s=config.timeouts.abort_s)
+    engines = EngineClient(connect_timeout_s=config.timeouts.connect_s, verify_timeout_s=config.health.timeout_s,
+                           abort_timeout_s=config.timeouts.abort_s)
     try:
-        monitor = WorkerMonitor(engines, [(m, pool_for(m)) for m in config.models], config.health,
+        specs = [model_spec(m) for m in config.models]
+        monitor = WorkerMonitor(engines, [(spec, pool_for(spec)) for spec in specs], health_spec(config),
                                 lambda judgement, startup: None)
         return await monitor.verify_startup(config.gate.startup_timeout_s)
     finally:
@@ -38,22 +41,23 @@ def report(judgements: list[ModelJudgement]) -> dict[str, Any]:
     for judgement in judgements:
         workers = []
         for verdict in judgement.workers:
-            telemetry = verdict.reading.telemetry
+            info = verdict.reading.info
+            identity = info.identity if info else None
             workers.append({
                 "url": verdict.worker.url, "role": verdict.worker.role,
-                "reported_mode": telemetry.disaggregation_mode if telemetry else None,
-                "pool_tokens": telemetry.pool_tokens if telemetry else None,
-                "max_req_input_len": telemetry.max_req_input_len if telemetry else None,
-                "context_length": telemetry.context_length if telemetry else None,
-                "page_size": telemetry.page_size if telemetry else None,
-                "version": telemetry.version if telemetry else None,
+                "reported_mode": identity.disaggregation_mode if identity else None,
+                "pool_tokens": identity.pool_tokens if identity else None,
+                "max_req_input_len": identity.max_req_input_len if identity else None,
+                "context_length": info.context_length if info else None,
+                "page_size": identity.page_size if identity else None,
+                "version": identity.version if identity else None,
                 "verdict": verdict.verdict, "problems": verdict.problems, "warnings": verdict.warnings,
             })
-        models.append({"model": judgement.config.name, "context_length": judgement.config.context_length,
+        models.append({"model": judgement.model.name, "context_length": judgement.model.context_length,
                        "advertised_prompt_limit": judgement.configured_limit,
                        "effective_prompt_limit": judgement.effective_limit,
                        "decode_pool_tokens": judgement.decode_pool_tokens,
-                       "policy": judgement.config.on_pool_mismatch, "verdict": judgement.verdict,
+                       "policy": judgement.model.on_pool_mismatch, "verdict": judgement.verdict,
                        "reasons": judgement.reasons, "workers": workers})
     return {"ok": all(j.passes for j in judgements), "models": models}
 

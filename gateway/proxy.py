@@ -1,4 +1,4 @@
-"""The generate endpoints as raw ASGI apps: read the body (capped), admit, dispatch, relay.
+"""The generate endpoints as raw ASGI apps: read the body (capped, timed), admit, dispatch, relay.
 
 Raw ASGI rather than a Starlette request/response endpoint because the gateway must notice a client disconnect in
 every phase, including the wait before the first byte of a non-streaming response, where Starlette listens for
@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import TYPE_CHECKING, Any
+import re
+from typing import TYPE_CHECKING
 
 from starlette.types import Receive, Scope, Send
 
-from gateway.admission.requests import Route, parse_request
-from gateway.assemble import assemble
+from gateway.admission.requests import ClientRequest, Route, UsageOptions, decode_json_object, parse_request, \
+    requested_model
+from gateway.assemble import assembler_for
 from gateway.errors import GatewayError
-from gateway.lifecycle import CLIENT_GONE, DONE, Failure, PDExchange
+from gateway.lifecycle import ClientGone, Done, Failure, PDExchange
 from routing.pools import NoWorkerAvailable
 
 if TYPE_CHECKING:
@@ -25,7 +27,10 @@ if TYPE_CHECKING:
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
+_CLOSE = [(b"connection", b"close")]
 _DONE_EVENT = b"data: [DONE]\n\n"
+# A usage object inside an OpenAI stream chunk (one level of nesting: prompt_tokens_details).
+_USAGE = re.compile(rb',"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
 
 
 class BodyTooLarge(GatewayError):
@@ -68,8 +73,8 @@ async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[by
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_error(send: Send, error: GatewayError) -> None:
-    await send_json(send, error.status, error.json())
+async def send_error(send: Send, error: GatewayError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send_json(send, error.status, error.json(), headers)
 
 
 class GenerateEndpoint:
@@ -85,24 +90,35 @@ class GenerateEndpoint:
             return
         gateway = self.gateway
         try:
-            raw = await read_body(scope, receive, gateway.config.max_body_bytes)
-            request = parse_request(self.route, raw)
-            model = gateway.model_for(request.model)
-            admitted = await model.admission.admit(request, tenant=tenant_of(scope))
-            pair = model.pool.pick_pair()
+            async with asyncio.timeout(gateway.config.timeouts.client_body_s):
+                raw = await read_body(scope, receive, gateway.config.max_body_bytes)
+        except TimeoutError:
+            await send_error(send, GatewayError(408, "the request body did not arrive within "
+                                                f"{gateway.config.timeouts.client_body_s:g}s",
+                                                code="request_timeout"), _CLOSE)
+            return
+        except BodyTooLarge as error:
+            await send_error(send, error, _CLOSE)
+            return
         except ConnectionAbortedError:
             return
+        try:
+            data = decode_json_object(raw)
+            model = gateway.model_for(requested_model(self.route, data))
+            request = parse_request(self.route, data, model.chat_settings)
+            admitted = await model.admission.admit(request, tenant=tenant_of(scope), dialects=model.dialects())
+            pair = model.pool.pick_pair()
         except NoWorkerAvailable as exc:
             await send_error(send, GatewayError(503, str(exc), code="no_worker_available"))
             return
         except GatewayError as error:
             await send_error(send, error)
             return
-        exchange = gateway.dispatch(pair, admitted)
+        exchange = gateway.dispatch(model, pair, admitted)
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, exchange))
         try:
             if request.stream:
-                await _relay_stream(exchange, send)
+                await _relay_stream(exchange, send, request)
             else:
                 await _relay_whole(exchange, send)
         finally:
@@ -111,7 +127,7 @@ class GenerateEndpoint:
 
 def _count_header(exchange: PDExchange) -> list[tuple[bytes, bytes]]:
     """The gateway's own prompt count, so a client (and the parity test) can compare it with the engine's usage."""
-    return [(b"x-kvgate-prompt-tokens", str(exchange.admitted.prompt_tokens).encode())]
+    return [(b"x-kvgate-prompt-tokens", str(exchange.prompt_tokens).encode())]
 
 
 async def _watch_disconnect(receive: Receive, exchange: PDExchange) -> None:
@@ -120,69 +136,62 @@ async def _watch_disconnect(receive: Receive, exchange: PDExchange) -> None:
     exchange.disconnect()
 
 
-def _drain(queue: asyncio.Queue[Any], first: Any) -> tuple[list[bytes], Any]:
-    """`first` and every payload already queued behind it, plus the marker that ended the run (or None)."""
-    payloads = [first]
-    while not queue.empty():
-        item = queue.get_nowait()
-        if not isinstance(item, bytes):
-            return payloads, item
-        payloads.append(item)
-    return payloads, None
+def _presented(payload: bytes, usage: UsageOptions | None) -> bytes | None:
+    """A decode event as the client asked for it: the gateway always asks decode for usage in every OpenAI chunk
+    (to verify its count before release); a client that did not ask gets it stripped, or the chunk dropped."""
+    if usage is None or b'"usage":{' not in payload:
+        return payload
+    if b'"choices":[]' in payload:  # the final usage-only chunk
+        return payload if usage.include_usage else None
+    return payload if usage.continuous else _USAGE.sub(b',"usage":null', payload)
 
 
-async def _relay_stream(exchange: PDExchange, send: Send) -> None:
+async def _relay_stream(exchange: PDExchange, send: Send, request: ClientRequest) -> None:
     queue = exchange.events
-    item = await queue.get()
-    if item is CLIENT_GONE:
-        return
-    if isinstance(item, Failure):
-        # Nothing was sent yet, so the failure keeps its own status code.
-        await send_error(send, item.error)
-        return
+    usage = request.usage if request.route != "/generate" else None
+    event = await queue.get()
+    match event:
+        case ClientGone():
+            return
+        case Failure(error):
+            # Nothing was sent yet, so the failure keeps its own status code.
+            await send_error(send, error)
+            return
     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + _count_header(exchange)})
     while True:
-        payloads, marker = _drain(queue, item)
-        body = b"".join(b"data: " + p + b"\n\n" for p in payloads)
-        if marker is None:
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-            item = await queue.get()
-            if isinstance(item, bytes):
-                continue
-            marker, body = item, b""
-        await _end_stream(exchange, send, body, marker)
-        return
-
-
-async def _end_stream(exchange: PDExchange, send: Send, body: bytes, marker: Any) -> None:
-    if marker is CLIENT_GONE:
-        return
-    if marker is DONE and await exchange.prefill_ok:
-        tail = _DONE_EVENT
-    else:
-        # A stream that already started cannot change its status: it ends with an error event and no [DONE].
-        failure = exchange.failure
-        tail = failure.error.sse_event() if failure else GatewayError(502, "request failed").sse_event()
-    await send({"type": "http.response.body", "body": body + tail, "more_body": False})
+        parts: list[bytes] = []
+        while isinstance(event, bytes):
+            shown = _presented(event, usage)
+            if shown is not None:
+                parts.append(b"data: " + shown + b"\n\n")
+            event = queue.get_nowait() if not queue.empty() else None
+        body = b"".join(parts)
+        match event:
+            case None:
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                event = await queue.get()
+            case Done():
+                await send({"type": "http.response.body", "body": body + _DONE_EVENT, "more_body": False})
+                return
+            case Failure(error):
+                # A stream that already started cannot change its status: an error event and no [DONE].
+                await send({"type": "http.response.body", "body": body + error.sse_event(), "more_body": False})
+                return
+            case ClientGone():
+                return
 
 
 async def _relay_whole(exchange: PDExchange, send: Send) -> None:
-    queue = exchange.events
-    events: list[bytes] = []
+    assembler = assembler_for(exchange.admitted.route)
     while True:
-        item = await queue.get()
-        if isinstance(item, bytes):
-            payloads, marker = _drain(queue, item)
-            events.extend(payloads)
-            if marker is None:
-                continue
-            item = marker
-        break
-    if item is CLIENT_GONE:
-        return
-    if item is DONE and await exchange.prefill_ok:
-        body = assemble(exchange.admitted.request.route, events)
-        await send_json(send, 200, body, _count_header(exchange))
-        return
-    failure = exchange.failure
-    await send_error(send, failure.error if failure else GatewayError(502, "request failed"))
+        match await exchange.events.get():
+            case bytes() as payload:
+                assembler.add(payload)
+            case Done():
+                await send_json(send, 200, assembler.body(), _count_header(exchange))
+                return
+            case Failure(error):
+                await send_error(send, error)
+                return
+            case ClientGone():
+                return

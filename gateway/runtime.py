@@ -7,25 +7,33 @@ import logging
 from dataclasses import dataclass
 
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
+from gateway.admission.chat import ChatSettings, default_template_kwargs
 from gateway.admission.chat_template import ChatTemplate
 from gateway.admission.counting import TokenCounter
+from gateway.admission.dialects import Dialect, dialect_for
 from gateway.admission.requests import reject_unknown_model
 from gateway.admission.tokenizer import ModelTokenizer
 from gateway.config import GatewayConfig, ModelConfig
-from gateway.engines import EngineClient
 from gateway.errors import GatewayError, bad_request
 from gateway.lifecycle import InFlight, PDExchange, RoomAllocator
 from gateway.telemetry.metrics import GatewayMetrics
+from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
 from routing.monitor import WorkerMonitor
 from routing.pools import ModelPool, WorkerPair, pool_for
+from routing.specs import HealthSpec, ModelSpec
+from routing.workers import WorkerSpec
 
 log = logging.getLogger("kvgate")
+
+# The dialect assumed for a model none of whose workers has been verified yet (its requests get 503 anyway).
+_DEFAULT_DIALECTS = frozenset({Dialect.V0_5_23})
 
 
 @dataclass(slots=True)
 class ServedModel:
     config: ModelConfig
+    spec: ModelSpec
     admission: Admission
     pool: ModelPool
     # Set when the KV-pool gate refuses the model: it then answers 503 with this reason.
@@ -37,15 +45,42 @@ class ServedModel:
     def name(self) -> str:
         return self.config.name
 
+    @property
+    def chat_settings(self) -> ChatSettings:
+        return self.admission.chat
+
+    def dialects(self) -> frozenset[Dialect]:
+        """The SGLang dialects of the model's verified workers: a chat is counted once for each."""
+        found = frozenset(dialect_for(w.verified.version) for w in self.pool.workers if w.verified is not None)
+        return found or _DEFAULT_DIALECTS
+
+
+def model_spec(config: ModelConfig) -> ModelSpec:
+    return ModelSpec(
+        name=config.name, context_length=config.context_length,
+        configured_prompt_limit=config.configured_prompt_limit, on_pool_mismatch=config.on_pool_mismatch,
+        min_engine_version=config.min_engine_version, on_old_engine=config.on_old_engine,
+        prefill=tuple(WorkerSpec(w.url, "prefill", w.bootstrap_port) for w in config.prefill),
+        decode=tuple(WorkerSpec(w.url, "decode") for w in config.decode))
+
+
+def health_spec(config: GatewayConfig) -> HealthSpec:
+    health = config.health
+    return HealthSpec(health.interval_s, health.timeout_s, health.failure_threshold, health.success_threshold)
+
 
 def build_model(config: ModelConfig, *, cache_bytes: int) -> ServedModel:
     """Load the tokenizer and chat template (slow: call off the event loop) and lay out the worker pool."""
     tokenizer = ModelTokenizer.load(config.tokenizer)
     template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template)
+    allowed = (frozenset(config.chat_template_kwargs) if config.chat_template_kwargs is not None
+               else default_template_kwargs(template.variables_read))
     limits = PromptLimits(prompt_tokens=config.configured_prompt_limit, context_length=config.context_length,
                           default_output_tokens=config.default_max_tokens, max_output_tokens=config.max_output_tokens)
-    admission = Admission(config.name, TokenCounter(tokenizer, cache_bytes=cache_bytes), template, limits)
-    return ServedModel(config, admission, pool_for(config))
+    admission = Admission(config.name, tokenizer, TokenCounter(tokenizer, cache_bytes=cache_bytes), template,
+                          ChatSettings(template.content_format, allowed), limits)
+    spec = model_spec(config)
+    return ServedModel(config, spec, admission, pool_for(spec))
 
 
 class GateRefused(Exception):
@@ -69,16 +104,17 @@ class Gateway:
             loop.run_in_executor(None, lambda m=m: build_model(m, cache_bytes=self.config.token_cache_bytes))
             for m in self.config.models))
         self.models = {model.name: model for model in built}
-        self.engines = EngineClient(connect_timeout_s=self.config.timeouts.connect_s,
-                                    abort_timeout_s=self.config.timeouts.abort_s)
+        timeouts = self.config.timeouts
+        self.engines = EngineClient(connect_timeout_s=timeouts.connect_s, verify_timeout_s=self.config.health.timeout_s,
+                                    abort_timeout_s=timeouts.abort_s)
         self.metrics.watch_token_caches(
             lambda: [(m.name, m.admission.counter.cache_stats) for m in self.models.values()])
-        self.monitor = WorkerMonitor(self.engines, [(m.config, m.pool) for m in self.models.values()],
-                                     self.config.health, self._apply_judgement)
+        self.monitor = WorkerMonitor(self.engines, [(m.spec, m.pool) for m in self.models.values()],
+                                     health_spec(self.config), self._apply_judgement)
         judgements = await self.monitor.verify_startup(self.config.gate.startup_timeout_s)
         refused = [j for j in judgements if not j.passes]
         if refused and not self.config.gate.start_anyway:
-            raise GateRefused("; ".join(f"model {j.config.name!r} refused: {' | '.join(j.reasons)}"
+            raise GateRefused("; ".join(f"model {j.model.name!r} refused: {' | '.join(j.reasons)}"
                                         for j in refused))
         self.monitor.start()
 
@@ -106,10 +142,11 @@ class Gateway:
                                code="model_unavailable")
         return model
 
-    def dispatch(self, pair: WorkerPair, admitted: AdmittedRequest) -> PDExchange:
+    def dispatch(self, model: ServedModel, pair: WorkerPair, admitted: AdmittedRequest) -> PDExchange:
         assert self.engines is not None
         exchange = PDExchange(self.engines, pair, admitted, timeouts=self.config.timeouts,
-                              in_flight=self.in_flight, rooms=self.rooms)
+                              release=model.config.release, in_flight=self.in_flight, rooms=self.rooms,
+                              on_closed=self._exchange_closed)
         exchange.start()
         return exchange
 
@@ -123,38 +160,47 @@ class Gateway:
                 problems[model.name] = "no usable prefill and decode pair"
         return not problems, problems
 
+    def _exchange_closed(self, exchange: PDExchange) -> None:
+        if exchange.mismatch is not None:
+            self.metrics.prompt_mismatches.labels(exchange.admitted.model, exchange.mismatch.role).inc()
+
     def _apply_judgement(self, judgement: ModelJudgement, startup: bool) -> None:
-        """Make a judgement take effect before the next request is admitted (called on the event loop)."""
-        model = self.models[judgement.config.name]
+        """Follow a judgement (its verdicts are already applied to the workers) before the next request is admitted:
+        limits, availability, gauges. Called on the event loop."""
+        model = self.models[judgement.model.name]
         self.judgements[model.name] = judgement
+        self._record_workers(model, judgement, startup)
+        self._update_limits(model, judgement)
+        self._update_availability(model, judgement, startup)
+
+    def _record_workers(self, model: ServedModel, judgement: ModelJudgement, startup: bool) -> None:
         metrics = self.metrics
         for verdict in judgement.workers:
-            worker, telemetry = verdict.worker, verdict.reading.telemetry
+            worker, info = verdict.worker, verdict.reading.info
             labels = (model.name, worker.url, worker.role)
-            if telemetry is not None:
-                worker.telemetry = telemetry
-                metrics.worker_pool_tokens.labels(*labels).set(telemetry.pool_tokens)
-                metrics.worker_max_req_input_len.labels(*labels).set(telemetry.max_req_input_len)
-                if telemetry.context_length is not None:
-                    metrics.worker_context_tokens.labels(*labels).set(telemetry.context_length)
-            if worker.admitted and verdict.problems:
-                log.warning("worker %s leaves rotation for model %s: %s", worker.url, model.name,
-                            "; ".join(verdict.problems))
-            worker.admitted = not verdict.problems
-            worker.gate_reason = "; ".join(verdict.problems)
-            metrics.worker_admitted.labels(*labels).set(1 if worker.admitted else 0)
-            for warning in verdict.warnings:
-                if startup:
+            if info is not None:
+                metrics.worker_pool_tokens.labels(*labels).set(info.identity.pool_tokens)
+                metrics.worker_max_req_input_len.labels(*labels).set(info.identity.max_req_input_len)
+                if info.context_length is not None:
+                    metrics.worker_context_tokens.labels(*labels).set(info.context_length)
+            metrics.worker_admitted.labels(*labels).set(1 if worker.verified is not None else 0)
+            if startup:
+                for warning in verdict.warnings:
                     log.warning("worker %s (model %s): %s", worker.url, model.name, warning)
+
+    def _update_limits(self, model: ServedModel, judgement: ModelJudgement) -> None:
         limits = model.admission.limits
-        if judgement.effective_limit != limits.prompt_tokens or judgement.decode_pool_tokens != limits.decode_pool_tokens:
-            if judgement.verdict == "clamp":
-                log.warning("CLAMPED model %s: %s", model.name, " | ".join(judgement.reasons))
-                metrics.limit_clamps.labels(model.name).inc()
-            model.admission.limits = PromptLimits(
-                prompt_tokens=judgement.effective_limit, context_length=limits.context_length,
-                default_output_tokens=limits.default_output_tokens, max_output_tokens=limits.max_output_tokens,
-                decode_pool_tokens=judgement.decode_pool_tokens)
+        if judgement.effective_limit == limits.prompt_tokens and judgement.decode_pool_tokens == limits.decode_pool_tokens:
+            return
+        if judgement.verdict == "clamp":
+            log.warning("CLAMPED model %s: %s", model.name, " | ".join(judgement.reasons))
+            self.metrics.limit_clamps.labels(model.name).inc()
+        model.admission.limits = PromptLimits(
+            prompt_tokens=judgement.effective_limit, context_length=limits.context_length,
+            default_output_tokens=limits.default_output_tokens, max_output_tokens=limits.max_output_tokens,
+            decode_pool_tokens=judgement.decode_pool_tokens)
+
+    def _update_availability(self, model: ServedModel, judgement: ModelJudgement, startup: bool) -> None:
         if startup and not judgement.passes:
             model.refused_at_startup = True
             log.error("model %s refused: %s", model.name, " | ".join(judgement.reasons))
@@ -166,6 +212,7 @@ class Gateway:
             model.unavailable = " | ".join(judgement.reasons)
         else:
             model.unavailable = None
+        metrics = self.metrics
         metrics.model_configured_limit.labels(model.name).set(judgement.configured_limit)
         metrics.model_effective_limit.labels(model.name).set(model.admission.limits.prompt_tokens)
         metrics.model_clamped.labels(model.name).set(1 if judgement.verdict == "clamp" else 0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.config import ModelConfig
 from routing.policies import Policy, RoundRobin
+from routing.specs import ModelSpec
 from routing.workers import Worker
 
 
@@ -45,20 +45,11 @@ class ModelPool:
         return WorkerPair(prefill, decode)
 
 
-def pool_for(config: ModelConfig) -> ModelPool:
-    """The model's configured workers, none admitted until the KV-pool gate has verified it."""
-    return ModelPool(
-        config.name,
-        prefill=[Worker(w.url, "prefill", bootstrap_port=w.bootstrap_port, admitted=False) for w in config.prefill],
-        decode=[Worker(w.url, "decode", admitted=False) for w in config.decode],
-    )
+def pool_for(model: ModelSpec) -> ModelPool:
+    """The model's workers, none in rotation until the KV-pool gate has verified it."""
+    return ModelPool(model.name, prefill=[Worker(spec) for spec in model.prefill],
+                     decode=[Worker(spec) for spec in model.decode])
 
 
 def _why(workers: list[Worker]) -> str:
-    reasons = []
-    for worker in workers:
-        if not worker.admitted:
-            reasons.append(f"{worker.url}: {worker.gate_reason or 'not verified'}")
-        elif not worker.healthy:
-            reasons.append(f"{worker.url}: unhealthy")
-    return "; ".join(reasons) or "none configured"
+    return "; ".join(f"{w.url}: {w.out_of_rotation_reason}" for w in workers if not w.usable) or "none configured"

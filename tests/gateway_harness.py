@@ -17,6 +17,7 @@ import yaml
 from gateway.app import create_app
 from gateway.config import load_config
 from gateway.runtime import Gateway
+from gateway.server import uvicorn_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GLM5_TOKENIZER = ROOT / "config/models/glm-5/tokenizer.json.gz"
@@ -101,8 +102,7 @@ def start_gateway(config_path: Path, *, timeout_s: float = 30.0) -> RunningGatew
     config = load_config(config_path)
     gateway = Gateway(config)
     app = create_app(config, gateway)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.listen.host, port=config.listen.port, log_level="warning",
-                                           access_log=False, loop="asyncio", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, config, log_level="warning", loop="asyncio"))
     errors: list[BaseException] = []
     holder: dict[str, asyncio.AbstractEventLoop] = {}
 

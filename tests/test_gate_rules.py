@@ -3,27 +3,31 @@
 from dataclasses import replace
 
 from gateway.config import ModelConfig
+from gateway.runtime import model_spec
+from routing.engine_info import EngineInfo, Reading
+from routing.engines.identity import EngineIdentity
 from routing.gate import judge_model, version_tuple
-from routing.telemetry import Reading
-from routing.workers import Worker, WorkerTelemetry
+from routing.specs import ModelSpec
+from routing.workers import Worker, WorkerSpec
 from tests.gateway_harness import GLM5_TOKENIZER
 
 
-def _config(**overrides: object) -> ModelConfig:
+def _config(**overrides: object) -> ModelSpec:
     base = {"name": "glm-5", "tokenizer": GLM5_TOKENIZER, "context_length": 8192,
             "prefill": [{"url": "http://p:1"}], "decode": [{"url": "http://d:1"}]}
-    return ModelConfig.model_validate({**base, **overrides})
+    return model_spec(ModelConfig.model_validate({**base, **overrides}))
 
 
-def _telemetry(role: str, pool: int, context: int = 8192, version: str = "0.5.23") -> WorkerTelemetry:
-    return WorkerTelemetry(pool_tokens=pool, max_req_input_len=min(context - 1, pool - 1) - 5, context_length=context,
-                           page_size=1, version=version, disaggregation_mode=role, served_model_name="glm-5",
-                           tokenizer_path="/models/glm-5")
+def _telemetry(role: str, pool: int, context: int = 8192, version: str = "0.5.23") -> EngineInfo:
+    identity = EngineIdentity(pool_tokens=pool, max_req_input_len=min(context - 1, pool - 1) - 5, page_size=1,
+                              version=version, disaggregation_mode=role, served_model_name="glm-5",
+                              tokenizer_path="/models/glm-5", launch_context_length=context)
+    return EngineInfo(identity, context)
 
 
 def _readings(prefill_pool: int, decode_pool: int, **kw: str) -> dict[Worker, Reading]:
-    return {Worker("http://p:1", "prefill"): Reading(_telemetry("prefill", prefill_pool, **kw)),
-            Worker("http://d:1", "decode"): Reading(_telemetry("decode", decode_pool, **kw))}
+    return {Worker(WorkerSpec("http://p:1", "prefill")): Reading(_telemetry("prefill", prefill_pool, **kw)),
+            Worker(WorkerSpec("http://d:1", "decode")): Reading(_telemetry("decode", decode_pool, **kw))}
 
 
 def test_pool_large_enough_passes_with_configured_limit() -> None:
@@ -58,7 +62,8 @@ def test_explicit_max_prompt_tokens_that_fits_is_no_mismatch() -> None:
 def test_prefill_reporting_decode_mode_is_refused() -> None:
     readings = _readings(100_000, 100_000)
     worker = next(w for w in readings if w.role == "prefill")
-    readings[worker] = Reading(replace(readings[worker].telemetry, disaggregation_mode="decode"))
+    info = readings[worker].info
+    readings[worker] = Reading(replace(info, identity=replace(info.identity, disaggregation_mode="decode")))
     judgement = judge_model(_config(), readings, startup=True)
     assert judgement.verdict == "refuse"
     assert any("disaggregation_mode 'decode'" in p for j in judgement.workers for p in j.problems)
@@ -73,7 +78,7 @@ def test_old_engine_warns_by_default_and_refuses_when_strict() -> None:
 def test_after_startup_a_shrunken_worker_leaves_rotation_under_refuse() -> None:
     config = _config(prefill=[{"url": "http://p:1"}, {"url": "http://p:2"}])
     readings = _readings(100_000, 100_000)
-    readings[Worker("http://p:2", "prefill")] = Reading(_telemetry("prefill", 2048))
+    readings[Worker(WorkerSpec("http://p:2", "prefill"))] = Reading(_telemetry("prefill", 2048))
     judgement = judge_model(config, readings, startup=False)
     assert judgement.passes and judgement.effective_limit == 8185
     shrunk = next(j for j in judgement.workers if j.worker.url == "http://p:2")
@@ -83,7 +88,8 @@ def test_after_startup_a_shrunken_worker_leaves_rotation_under_refuse() -> None:
 def test_identity_mismatch_is_refused() -> None:
     readings = _readings(100_000, 100_000)
     worker = next(w for w in readings if w.role == "decode")
-    readings[worker] = Reading(replace(readings[worker].telemetry, served_model_name="other-model"))
+    info = readings[worker].info
+    readings[worker] = Reading(replace(info, identity=replace(info.identity, served_model_name="other-model")))
     judgement = judge_model(_config(), readings, startup=True)
     assert judgement.verdict == "refuse"
 

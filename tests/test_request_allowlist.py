@@ -3,26 +3,35 @@
 import orjson
 import pytest
 
-from gateway.admission.requests import parse_request
+from gateway.admission.chat import ChatSettings
+from gateway.admission.dialects import Dialect
+from gateway.admission.requests import ClientRequest, decode_json_object, parse_request, requested_model
 from gateway.errors import GatewayError
 
+SETTINGS = ChatSettings(content_format="openai", template_kwargs=frozenset({"enable_thinking"}))
+
+
+def _parse(route: str, raw: bytes) -> ClientRequest:
+    data = decode_json_object(raw)
+    requested_model(route, data)
+    return parse_request(route, data, SETTINGS)
+
 INTERNAL = {"rid": "victim-rid", "bootstrap_room": 42, "bootstrap_host": "10.0.0.9", "bootstrap_port": 1,
-            "bootstrap_pair_key": "k", "data_parallel_rank": 0, "routing_key": "x", "session_params": {"id": "s"},
-            "custom_logit_processor": "evil", "log_metrics": False}
+            "bootstrap_pair_key": "k", "data_parallel_rank": 0, "routing_key": "x", "log_metrics": False}
 
 
 def test_chat_drops_engine_internal_fields() -> None:
     body = {"model": "glm-5", "messages": [{"role": "user", "content": "hi"}], **INTERNAL}
-    parsed = parse_request("/v1/chat/completions", orjson.dumps(body))
-    assert not set(INTERNAL) & set(parsed.body)
-    assert parsed.body["messages"] == body["messages"]
+    parsed = _parse("/v1/chat/completions", orjson.dumps(body))
+    assert not set(INTERNAL) & set(parsed.fields)
+    assert parsed.fields["messages"] == body["messages"]
 
 
 def test_generate_drops_internal_fields_at_both_levels() -> None:
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 4, "bootstrap_room": 1}, **INTERNAL}
-    parsed = parse_request("/generate", orjson.dumps(body))
-    assert not set(INTERNAL) & set(parsed.body)
-    assert parsed.body["sampling_params"] == {"max_new_tokens": 4}
+    parsed = _parse("/generate", orjson.dumps(body))
+    assert not set(INTERNAL) & set(parsed.fields)
+    assert parsed.fields["sampling_params"] == {}
     assert parsed.max_tokens == 4
 
 
@@ -41,7 +50,8 @@ def test_generate_drops_internal_fields_at_both_levels() -> None:
     ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3}', "n > 1"),
     ("/v1/completions", b'{"model": "m", "prompt": ["a", "b"]}', "batched"),
     ("/v1/completions", b'{"model": "m", "prompt": {"x": 1}}', "prompt"),
-    ("/v1/completions", b'{"model": "m", "prompt": [1, -5]}', "out of range"),
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "suffix": "y"}', "suffix"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "lora_path": "a"}', "lora_path"),
     ("/generate", b'{"text": ["a", "b"]}', "batched"),
     ("/generate", b'{"text": "a", "input_ids": [1]}', "exactly one"),
     ("/generate", b'{"input_embeds": [[0.1]]}', "input_embeds"),
@@ -49,7 +59,7 @@ def test_generate_drops_internal_fields_at_both_levels() -> None:
 ])
 def test_bad_input_is_a_400_with_a_message(route: str, body: bytes, fragment: str) -> None:
     with pytest.raises(GatewayError) as caught:
-        parse_request(route, body)
+        _parse(route, body)
     assert caught.value.status == 400
     assert fragment in caught.value.message
 
@@ -57,8 +67,16 @@ def test_bad_input_is_a_400_with_a_message(route: str, body: bytes, fragment: st
 def test_tool_call_arguments_text_becomes_an_object_for_the_template() -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
     body = {"model": "m", "messages": [{"role": "user", "content": "q"},
-                                       {"role": "assistant", "content": None, "tool_calls": [call]}]}
-    parsed = parse_request("/v1/chat/completions", orjson.dumps(body))
-    assert parsed.messages is not None
-    assert parsed.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
-    assert parsed.body["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+                                       {"role": "assistant", "content": None, "tool_calls": [call]},
+                                       {"role": "tool", "content": "1", "tool_call_id": "c1"}]}
+    parsed = _parse("/v1/chat/completions", orjson.dumps(body))
+    plan = parsed.prompt.plan(Dialect.V0_5_22, "openai")
+    assert plan.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert parsed.fields["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+
+
+@pytest.mark.parametrize("field", ["session_params", "custom_logit_processor", "lora_path", "image_data"])
+def test_fields_that_change_the_computation_are_refused_not_dropped(field: str) -> None:
+    with pytest.raises(GatewayError) as caught:
+        _parse("/generate", orjson.dumps({"text": "hi", field: "x"}))
+    assert caught.value.status == 400 and field in caught.value.message

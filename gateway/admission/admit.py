@@ -1,26 +1,35 @@
-"""Admission: count the prompt exactly as the engine will, and refuse with 413 what does not fit.
+"""Admission: count the prompt exactly as the engines will, refuse with 413 what does not fit, and build the one
+engine body that is forwarded — the reduced request that was counted, never the client's raw JSON.
 
 Runs before any byte reaches an engine. The limits come from the model's `PromptLimits`, which the KV-pool gate
-lowers to what the running engines' pools safely hold.
+lowers to what the running engines' pools safely hold. A chat is rendered once per SGLang dialect among the model's
+workers; each engine's own report is later checked against the count for its dialect (verify-then-release).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
-from gateway.admission.chat_template import ChatTemplate
+import orjson
+
+from gateway.admission.chat import ChatPrompt, ChatSettings, RenderPlan
+from gateway.admission.chat_template import ChatTemplate, RenderFailed
 from gateway.admission.counting import TokenCounter, UnencodableText
-from gateway.admission.requests import ClientRequest
+from gateway.admission.dialects import Dialect, dialect_for
+from gateway.admission.tokenizer import ModelTokenizer
+from gateway.admission.requests import ClientRequest, IdsPrompt, Route, TextPrompt, UsageOptions
 from gateway.errors import bad_request, context_length_exceeded
 
+# Work on inputs up to this size stays on the event loop: cheaper than a thread hop, far below the loop's budget.
+_INLINE_ITEMS = 4096
+_INLINE_CHARS = 64 * 1024
+T = TypeVar("T")
 
-_RENDER_INLINE_CHARS = 64 * 1024
 
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PromptLimits:
     """What one model admits. `prompt_tokens` is min(configured limit, every worker's max_req_input_len - 1)."""
 
@@ -32,42 +41,60 @@ class PromptLimits:
     decode_pool_tokens: int | None = None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class AdmittedRequest:
-    request: ClientRequest
-    prompt_tokens: int
-    max_new_tokens: int
+    """A request that fits: the engine body to forward and the gateway's own count of its prompt."""
 
-    def engine_body(self) -> dict[str, Any]:
-        """The body for both engines, minus the gateway-owned rid/bootstrap fields the lifecycle adds."""
-        body = dict(self.request.body)
-        if self.request.route == "/generate":
-            body["sampling_params"] = {**body.get("sampling_params", {}), "max_new_tokens": self.max_new_tokens}
-        else:
-            body["max_tokens"] = self.max_new_tokens
-        return body
+    route: Route
+    model: str
+    stream: bool
+    engine_body: bytes  # a JSON object without the gateway-owned rid, bootstrap_* and stream fields
+    prompt_tokens: dict[Dialect, int]
+    max_new_tokens: int
+    usage: UsageOptions
+
+    def prompt_tokens_for(self, engine_version: str) -> int | None:
+        """The gateway's count as an engine of that version renders the prompt (None: not counted for it)."""
+        return self.prompt_tokens.get(dialect_for(engine_version))
+
+    @property
+    def most_prompt_tokens(self) -> int:
+        return max(self.prompt_tokens.values())
 
 
 class Admission:
     """Counts and checks one model's prompts."""
 
-    def __init__(self, model: str, counter: TokenCounter, template: ChatTemplate, limits: PromptLimits) -> None:
+    def __init__(self, model: str, tokenizer: ModelTokenizer, counter: TokenCounter, template: ChatTemplate,
+                 chat: ChatSettings, limits: PromptLimits) -> None:
         self.model = model
+        self.tokenizer = tokenizer
         self.counter = counter
         self.template = template
+        self.chat = chat
         self.limits = limits
+        self._vocab_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+        bos = template.special_tokens.get("bos_token")
+        self._bos_token_id = tokenizer.token_id(bos) if bos else None
 
-    async def admit(self, request: ClientRequest, *, tenant: str) -> AdmittedRequest:
+    async def admit(self, request: ClientRequest, *, tenant: str, dialects: frozenset[Dialect]) -> AdmittedRequest:
         limits = self.limits
-        prompt_tokens = await self._count(request, tenant=tenant, limit=limits.prompt_tokens)
-        param = "messages" if request.messages is not None else ("text" if request.route == "/generate" else "prompt")
-        if prompt_tokens > limits.prompt_tokens:
+        counts = await self._count(request, tenant=tenant, limit=limits.prompt_tokens, dialects=dialects)
+        worst = max(counts.values())
+        if worst > limits.prompt_tokens:
             raise context_length_exceeded(
-                f"Prompt is too long for model {self.model!r}: {prompt_tokens} tokens counted, the limit is "
-                f"{limits.prompt_tokens} prompt tokens.", param=param)
-        return AdmittedRequest(request, prompt_tokens, self._output_tokens(request, prompt_tokens, param))
+                f"Prompt is too long for model {self.model!r}: {_counted(worst, limits.prompt_tokens)}, the limit "
+                f"is {limits.prompt_tokens} prompt tokens.", param=request.prompt_param)
+        max_new = self._output_tokens(request, worst)
+        fields = dict(request.fields)
+        if request.route == "/generate":
+            fields["sampling_params"] = {**fields["sampling_params"], "max_new_tokens": max_new}
+        else:
+            fields["max_tokens"] = max_new
+        body = await _maybe_off_loop(orjson.dumps, fields, large=_is_large(request))
+        return AdmittedRequest(request.route, self.model, request.stream, body, counts, max_new, request.usage)
 
-    def _output_tokens(self, request: ClientRequest, prompt_tokens: int, param: str) -> int:
+    def _output_tokens(self, request: ClientRequest, prompt_tokens: int) -> int:
         limits = self.limits
         # SGLang refuses prompt + max_new_tokens >= context_length; a decode pool must hold prompt + output.
         room = limits.context_length - 1 - prompt_tokens
@@ -78,7 +105,7 @@ class Admission:
             if room < 1:
                 raise context_length_exceeded(
                     f"Prompt of {prompt_tokens} tokens leaves no room for output in model {self.model!r} "
-                    f"(context length {limits.context_length} tokens).", param=param)
+                    f"(context length {limits.context_length} tokens).", param=request.prompt_param)
             return min(limits.default_output_tokens, room)
         if limits.max_output_tokens is not None and requested > limits.max_output_tokens:
             raise bad_request(f"max_tokens is {requested}; model {self.model!r} allows at most "
@@ -91,20 +118,94 @@ class Admission:
                 + ".", param="max_tokens")
         return requested
 
-    async def _count(self, request: ClientRequest, *, tenant: str, limit: int) -> int:
-        if request.prompt_ids is not None:
-            return len(request.prompt_ids)
-        if request.messages is not None:
-            render = partial(self.template.render, request.messages, tools=request.tools,
-                             extra=request.template_kwargs)
-            # Rendering holds the GIL either way; in a thread the event loop still runs at every GIL switch.
-            large = sum(len(m.get("content") or "") for m in request.messages
-                        if isinstance(m.get("content"), str)) > _RENDER_INLINE_CHARS
-            text = await asyncio.get_running_loop().run_in_executor(None, render) if large else render()
-        else:
-            text = request.prompt_text or ""
+    # ── counting ────────────────────────────────────────────────────────────────────────────────────────────
+    async def _count(self, request: ClientRequest, *, tenant: str, limit: int,
+                     dialects: frozenset[Dialect]) -> dict[Dialect, int]:
+        prompt = request.prompt
+        if isinstance(prompt, IdsPrompt):
+            n = len(prompt.ids)
+            if n <= limit:  # the length alone decides a refusal, before any id is looked at
+                await _maybe_off_loop(self._check_ids, prompt.ids, large=n > _INLINE_ITEMS)
+            return dict.fromkeys(dialects, n)
+        if isinstance(prompt, TextPrompt):
+            n = await self._count_text(prompt.text, tenant, special=True, limit=limit)
+            return dict.fromkeys(dialects, n)
+        assert isinstance(prompt, ChatPrompt)
+        large = _is_large(request)
+        counts: dict[Dialect, int] = {}
+        by_text: dict[tuple[str, str | None], int] = {}
+        for dialect in sorted(dialects, key=lambda d: d.value):
+            plan = prompt.plan(dialect, self.chat.content_format)
+            text = await _maybe_off_loop(self._render, plan, large=large)
+            key = (text, plan.assistant_prefix)
+            if key not in by_text:
+                by_text[key] = await self._count_chat(text, plan.assistant_prefix, tenant, limit)
+            counts[dialect] = by_text[key]
+        return counts
+
+    def _render(self, plan: RenderPlan) -> str:
+        """serving_chat.py: _apply_jinja_template — on any failure SGLang retries once with the tools reshaped."""
         try:
-            return await self.counter.count(text, tenant=tenant, add_special_tokens=request.add_special_tokens,
-                                            limit=limit)
+            return self._render_once(plan, plan.tools)
+        except RenderFailed:
+            if plan.fallback_tools is None:
+                raise bad_request("messages cannot be rendered with the model's chat template",
+                                  param="messages") from None
+        try:
+            return self._render_once(plan, plan.fallback_tools)
+        except RenderFailed as exc:
+            raise bad_request(f"messages cannot be rendered with the model's chat template: {exc}",
+                              param="messages") from exc
+
+    def _render_once(self, plan: RenderPlan, tools: list[dict[str, Any]] | None) -> str:
+        return self.template.render(plan.messages, tools=tools, documents=plan.documents, extra=plan.variables)
+
+    async def _count_chat(self, text: str, prefix: str | None, tenant: str, limit: int) -> int:
+        total = await self._count_text(text, tenant, special=False, limit=limit)
+        if prefix and total <= limit:
+            # serving_chat.py: _append_assistant_prefix_to_prompt_ids — the prefix is encoded on its own with the
+            # tokenizer's defaults and a leading BOS dropped.
+            total += await self._count_text(prefix, tenant, special=True, limit=limit - total)
+            if self._bos_token_id is not None and await _maybe_off_loop(self._first_id, prefix,
+                                                                        large=len(prefix) > _INLINE_CHARS) \
+                    == self._bos_token_id:
+                total -= 1
+        return total
+
+    async def _count_text(self, text: str, tenant: str, *, special: bool, limit: int) -> int:
+        try:
+            return await self.counter.count(text, tenant=tenant, add_special_tokens=special, limit=limit)
         except UnencodableText as exc:
             raise bad_request(f"prompt cannot be tokenized: {exc}") from exc
+
+    def _first_id(self, text: str) -> int | None:
+        ids = self.tokenizer.tokenizer.encode_batch_fast([text], add_special_tokens=True)[0].ids
+        return ids[0] if ids else None
+
+    def _check_ids(self, ids: list[Any]) -> None:
+        vocab = self._vocab_size
+        for token in ids:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise bad_request(f"token ids must be integers in [0, {vocab}); got {token!r}")
+
+
+def _counted(tokens: int, limit: int) -> str:
+    return f"{tokens} tokens counted"
+
+
+def _is_large(request: ClientRequest) -> bool:
+    prompt = request.prompt
+    if isinstance(prompt, ChatPrompt):
+        return len(prompt.messages) > 64 or any(
+            len(m["content"]) > _INLINE_CHARS // 8 if isinstance(m["content"], str) else len(m["content"]) > 64
+            for m in prompt.messages)
+    if isinstance(prompt, TextPrompt):
+        return len(prompt.text) > _INLINE_CHARS
+    return len(prompt.ids) > _INLINE_ITEMS
+
+
+async def _maybe_off_loop(function: Callable[..., T], *args: Any, large: bool) -> T:
+    """Small work runs inline; large work in a thread, where the loop still runs at every GIL hand-over."""
+    if not large:
+        return function(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, function, *args)

@@ -13,15 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from gateway.errors import bad_request
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ChatTemplateError(Exception):
     """No usable chat template could be found or compiled."""
+
+
+class RenderFailed(Exception):
+    """The template raised while rendering the client's chat (SGLang answers such a request with 400 or 500)."""
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
@@ -46,10 +50,13 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         try:
+            ast = env.parse(source)
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
-        self._special_tokens = dict(special_tokens or {})
+        self.special_tokens = dict(special_tokens or {})
+        self.variables_read = frozenset(jinja2.meta.find_undeclared_variables(ast))
+        self.content_format = _content_format(source, ast)
 
     @classmethod
     def for_tokenizer(cls, tokenizer_path: Path, template_path: Path | None = None) -> ChatTemplate:
@@ -69,18 +76,16 @@ class ChatTemplate:
         raise ChatTemplateError(f"no chat template for {tokenizer_path}: set chat_template in the model's config")
 
     def render(self, messages: list[dict[str, Any]], *, tools: list[Any] | None = None,
-               add_generation_prompt: bool = True, extra: dict[str, Any] | None = None) -> str:
-        """The prompt text; a template error caused by the client's messages is a 400."""
-        variables = {**self._special_tokens, **(extra or {})}
+               documents: list[Any] | None = None, add_generation_prompt: bool = True,
+               extra: dict[str, Any] | None = None) -> str:
+        """The prompt text, as transformers' `render_jinja_template` produces it. Raises RenderFailed."""
+        variables = {**self.special_tokens, **(extra or {})}
         try:
-            return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         **variables)
-        except jinja2.exceptions.TemplateError as exc:
-            raise bad_request(f"messages cannot be rendered with the model's chat template: {exc}",
-                              param="messages") from exc
-        except (TypeError, AttributeError, ValueError) as exc:
-            raise bad_request(f"messages have an unexpected shape for the model's chat template: {exc}",
-                              param="messages") from exc
+            return self._template.render(messages=messages, tools=tools, documents=documents,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+        except (jinja2.exceptions.TemplateError, TypeError, AttributeError, ValueError, KeyError, IndexError,
+                RecursionError) as exc:
+            raise RenderFailed(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _read_tokenizer_config(path: Path) -> dict[str, Any]:
@@ -92,3 +97,38 @@ def _read_tokenizer_config(path: Path) -> dict[str, Any]:
 
 def _token_text(value: Any) -> str:
     return value.get("content", "") if isinstance(value, dict) else str(value)
+
+
+# Template text that makes SGLang hand content parts to the template as a list ("openai" format).
+_OPENAI_FORMAT_WORDS = ("image", "audio", "video", "vision")
+_CONTENT_OWNERS = ("message", "msg", "m")
+
+
+def _content_format(source: str, ast: jinja2.nodes.Template) -> str:
+    """"openai" when the template iterates over message content, else "string"
+    (sglang parser/jinja_template_utils.py: detect_jinja_template_content_format)."""
+    if any(word in source for word in _OPENAI_FORMAT_WORDS):
+        return "openai"
+    for loop in ast.find_all(jinja2.nodes.For):
+        if any(_reads_content(loop.iter, owner) for owner in _CONTENT_OWNERS):
+            return "openai"
+    return "string"
+
+
+def _reads_content(node: jinja2.nodes.Node, owner: str) -> bool:
+    """`owner.content` or `owner['content']`, possibly under filters, tests or a slice."""
+    if isinstance(node, jinja2.nodes.Filter):
+        return node.node is not None and _reads_content(node.node, owner)
+    if isinstance(node, jinja2.nodes.Test):
+        return _reads_content(node.node, owner)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+        return _reads_content(node.node, owner)
+    if isinstance(node, jinja2.nodes.Getitem):
+        return _is_name(node.node, owner) and isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    if isinstance(node, jinja2.nodes.Getattr):
+        return _is_name(node.node, owner) and node.attr == "content"
+    return False
+
+
+def _is_name(node: jinja2.nodes.Node, name: str) -> bool:
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name

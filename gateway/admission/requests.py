@@ -1,8 +1,8 @@
-"""Client request bodies → what the engines may see.
+"""Client request bodies → the reduced request kvgate counts and forwards.
 
-Each endpoint has an allowlist: only the fields named here are forwarded, so nothing a client sends reaches an
-engine's internal fields (`rid`, `bootstrap_*`, `data_parallel_rank`, …). Values are type-checked so that a bad one
-is a 400 from the gateway, never a forwarded request.
+Each endpoint has an allowlist: only the fields named here reach an engine, in the form validated here, so nothing
+a client sends reaches an engine's internal fields (`rid`, `bootstrap_*`, `data_parallel_rank`, …). Fields that would
+change what the engine computes but that kvgate cannot forward exactly are refused with 400, never dropped silently.
 """
 
 from __future__ import annotations
@@ -13,56 +13,79 @@ from typing import Any, Literal
 
 import orjson
 
+from gateway.admission.chat import MAX_JSON_DEPTH, ChatPrompt, ChatSettings, parse_chat, too_deep
 from gateway.errors import GatewayError, bad_request
 
 Route = Literal["/generate", "/v1/chat/completions", "/v1/completions"]
 
 _OPENAI_SHARED = frozenset({
-    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "logit_bias", "user",
-    "ignore_eos", "skip_special_tokens", "min_tokens", "stop_token_ids", "no_stop_trim", "regex", "ebnf",
-    "json_schema", "response_format", "spaces_between_special_tokens",
+    "model", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logprobs", "top_logprobs", "logit_bias", "user", "ignore_eos", "skip_special_tokens",
+    "min_tokens", "stop_token_ids", "no_stop_trim", "regex", "ebnf", "json_schema", "response_format",
+    "spaces_between_special_tokens",
 })
-_CHAT_FIELDS = _OPENAI_SHARED | {
-    "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-    "separate_reasoning", "stream_reasoning", "reasoning_effort", "continue_final_message",
-}
-_COMPLETION_FIELDS = _OPENAI_SHARED | {"prompt", "echo", "suffix"}
+_CHAT_FIELDS = _OPENAI_SHARED | {"separate_reasoning", "stream_reasoning", "parallel_tool_calls"}
+_COMPLETION_FIELDS = _OPENAI_SHARED | {"echo"}
 _GENERATE_FIELDS = frozenset({
-    "text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "token_ids_logprob", "return_text_in_logprobs",
+    "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
 })
 _SAMPLING_FIELDS = frozenset({
-    "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "json_schema", "regex", "ebnf", "structural_tag",
-    "sampling_seed", "logit_bias",
+    "min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "json_schema", "regex", "ebnf", "structural_tag", "sampling_seed", "logit_bias",
 })
-_UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "video_data", "audio_data")
+# They change what the engine computes (adapters, inputs, hooks) and kvgate does not forward them.
+_REFUSED_FIELDS = ("lora_path", "session_params", "custom_logit_processor", "custom_params", "return_hidden_states",
+                   "input_embeds", "image_data", "video_data", "audio_data", "modalities")
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # Above this a client's token count is absurd for any model; checked before the model's own, tighter limit.
-_MAX_TOKENS_CEILING = 1 << 31
+MAX_TOKENS_CEILING = 1 << 31
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class TextPrompt:
+    """Raw text the engine tokenizes with the tokenizer's defaults (special tokens added)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class IdsPrompt:
+    """Token ids the engine takes as they are."""
+
+    ids: list[Any]  # validated against the vocabulary at admission (after the cheap length check)
+
+
+Prompt = TextPrompt | IdsPrompt | ChatPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class UsageOptions:
+    """What the client asked for in `stream_options` (the gateway asks the decode engine for more)."""
+
+    include_usage: bool = False
+    continuous: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ClientRequest:
-    """A validated request: the engine body (without gateway-owned fields) and what admission must count."""
+    """A validated request: the reduced engine fields (prompt included, gateway-owned fields excluded) and what
+    admission must count."""
 
     route: Route
     model: str | None
     stream: bool
-    body: dict[str, Any]
-    prompt_text: str | None = None
-    prompt_ids: list[int] | None = None
-    messages: list[dict[str, Any]] | None = None
-    tools: list[Any] | None = None
-    template_kwargs: dict[str, Any] | None = None
-    max_tokens: int | None = None
+    fields: dict[str, Any]
+    prompt: Prompt
+    max_tokens: int | None
+    usage: UsageOptions
 
     @property
-    def add_special_tokens(self) -> bool:
-        # SGLang tokenizes raw prompts with the tokenizer's default and rendered chats with add_special_tokens=False.
-        return self.messages is None
+    def prompt_param(self) -> str:
+        if isinstance(self.prompt, ChatPrompt):
+            return "messages"
+        return "prompt" if self.route == "/v1/completions" else ("text" if isinstance(self.prompt, TextPrompt)
+                                                                 else "input_ids")
 
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:
@@ -77,112 +100,115 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
     return parsed
 
 
-def parse_request(route: Route, raw: bytes) -> ClientRequest:
-    data = decode_json_object(raw)
+def requested_model(route: Route, data: dict[str, Any]) -> str | None:
+    """The model a body names (required on the OpenAI routes, optional on /generate)."""
+    model = data.get("model")
+    if model is None and route == "/generate":
+        return None
+    if not isinstance(model, str) or not model:
+        raise bad_request("model is required and must be a string", param="model")
+    return model
+
+
+def parse_request(route: Route, data: dict[str, Any], chat: ChatSettings) -> ClientRequest:
+    for key in _REFUSED_FIELDS:
+        if data.get(key) is not None:
+            raise bad_request(f"{key} is not supported by this gateway", param=key)
     if route == "/v1/chat/completions":
-        return _parse_chat(data)
+        return _parse_chat(data, chat)
     if route == "/v1/completions":
         return _parse_completion(data)
     return _parse_generate(data)
 
 
-def _parse_chat(data: dict[str, Any]) -> ClientRequest:
-    body = _allowed(data, _CHAT_FIELDS)
-    _check_openai_common(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty array of message objects", param="messages")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(f"messages[{index}] must be an object with a string role", param="messages")
-        content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise bad_request(f"messages[{index}].content must be a string or an array of parts", param="messages")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad_request("tools must be an array", param="tools")
-    template_kwargs = body.get("chat_template_kwargs")
-    if template_kwargs is not None and not isinstance(template_kwargs, dict):
-        raise bad_request("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    max_tokens = _optional_count(body, "max_completion_tokens")
+def _parse_chat(data: dict[str, Any], settings: ChatSettings) -> ClientRequest:
+    fields = _allowed(data, _CHAT_FIELDS)
+    _check_openai_common(data, fields)
+    prompt = parse_chat(data, settings)
+    fields.update(prompt.forwarded())
+    max_tokens = _optional_count(data, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _optional_count(body, "max_tokens")
-    body.pop("max_completion_tokens", None)
-    return ClientRequest(
-        route="/v1/chat/completions", model=_model(body), stream=_stream(body), body=body,
-        messages=_template_messages(messages),
-        tools=tools if tools and body.get("tool_choice") != "none" else None,
-        template_kwargs=template_kwargs, max_tokens=max_tokens,
-    )
+        max_tokens = _optional_count(data, "max_tokens")
+    return ClientRequest("/v1/chat/completions", requested_model("/v1/chat/completions", data), _stream(data),
+                         fields, prompt, max_tokens, _usage_options(data))
 
 
 def _parse_completion(data: dict[str, Any]) -> ClientRequest:
-    body = _allowed(data, _COMPLETION_FIELDS)
-    _check_openai_common(body)
-    prompt = body.get("prompt")
-    text: str | None = None
-    ids: list[int] | None = None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        text = prompt[0]
-    elif isinstance(prompt, str):
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = prompt
-    elif isinstance(prompt, list) and len(prompt) > 1:
+    fields = _allowed(data, _COMPLETION_FIELDS)
+    _check_openai_common(data, fields)
+    if data.get("suffix"):
+        # With a server-side completion template the suffix becomes part of the prompt: not countable here.
+        raise bad_request("suffix is not supported by this gateway", param="suffix")
+    prompt_value = data.get("prompt")
+    prompt: Prompt
+    if isinstance(prompt_value, list) and len(prompt_value) == 1 and isinstance(prompt_value[0], str):
+        prompt_value = prompt_value[0]
+    if isinstance(prompt_value, str):
+        prompt = TextPrompt(prompt_value)
+    elif isinstance(prompt_value, list) and prompt_value and not isinstance(prompt_value[0], (str, list)):
+        prompt = IdsPrompt(prompt_value)
+    elif isinstance(prompt_value, list) and len(prompt_value) > 1:
         raise bad_request("batched prompts are not supported; send one prompt per request", param="prompt")
     else:
         raise bad_request("prompt must be a string or an array of token ids", param="prompt")
-    if ids is not None:
-        _check_token_ids(ids, "prompt")
-    return ClientRequest(route="/v1/completions", model=_model(body), stream=_stream(body), body=body,
-                         prompt_text=text, prompt_ids=ids, max_tokens=_optional_count(body, "max_tokens"))
+    fields["prompt"] = prompt.text if isinstance(prompt, TextPrompt) else prompt.ids
+    return ClientRequest("/v1/completions", requested_model("/v1/completions", data), _stream(data), fields, prompt,
+                         _optional_count(data, "max_tokens"), _usage_options(data))
 
 
 def _parse_generate(data: dict[str, Any]) -> ClientRequest:
-    for key in _UNSUPPORTED_INPUTS:
-        if data.get(key) is not None:
-            raise bad_request(f"{key} is not supported by this gateway", param=key)
-    body = _allowed(data, _GENERATE_FIELDS)
-    text, ids = body.get("text"), body.get("input_ids")
+    fields = _allowed(data, _GENERATE_FIELDS)
+    text, ids = data.get("text"), data.get("input_ids")
     if (text is None) == (ids is None):
         raise bad_request("exactly one of text or input_ids is required", param="text")
-    if text is not None and not isinstance(text, str):
-        raise bad_request("text must be a string (batched requests are not supported)", param="text")
-    if ids is not None:
-        if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+    prompt: Prompt
+    if text is not None:
+        if not isinstance(text, str):
+            raise bad_request("text must be a string (batched requests are not supported)", param="text")
+        prompt = TextPrompt(text)
+        fields["text"] = text
+    else:
+        if not isinstance(ids, list) or not ids or isinstance(ids[0], list):
             raise bad_request("input_ids must be a non-empty array of token ids (batches are not supported)",
                               param="input_ids")
-        _check_token_ids(ids, "input_ids")
-    sampling = body.get("sampling_params") or {}
+        prompt = IdsPrompt(ids)
+        fields["input_ids"] = ids
+    sampling = data.get("sampling_params") or {}
     if not isinstance(sampling, dict):
         raise bad_request("sampling_params must be an object", param="sampling_params")
-    sampling = _allowed(sampling, _SAMPLING_FIELDS)
-    _check_numbers(sampling, "sampling_params.")
     if sampling.get("n", 1) != 1:
         raise bad_request("n > 1 is not supported", param="sampling_params.n")
     max_tokens = _optional_count(sampling, "max_new_tokens", minimum=0)
-    body["sampling_params"] = sampling
+    sampling = _allowed(sampling, _SAMPLING_FIELDS)
+    _check_values(sampling, "sampling_params.")
+    fields["sampling_params"] = sampling
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", param="model")
-    return ClientRequest(route="/generate", model=model, stream=_stream(body), body=body, prompt_text=text,
-                         prompt_ids=ids, max_tokens=max_tokens)
+    return ClientRequest("/generate", model, _stream(data), fields, prompt, max_tokens, UsageOptions())
 
 
 def _allowed(data: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
-    return {key: value for key, value in data.items() if key in fields}
+    return {key: value for key, value in data.items() if key in fields and value is not None}
 
 
-def _check_openai_common(body: dict[str, Any]) -> None:
-    if body.get("n", 1) not in (1, None):
+def _check_openai_common(data: dict[str, Any], fields: dict[str, Any]) -> None:
+    if data.get("n", 1) not in (1, None):
         raise bad_request("n > 1 is not supported", param="n")
-    _check_numbers(body, "")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
+    _check_values(fields, "")
+
+
+def _usage_options(data: dict[str, Any]) -> UsageOptions:
+    options = data.get("stream_options")
+    if options is None:
+        return UsageOptions()
+    if not isinstance(options, dict):
         raise bad_request("stream_options must be an object", param="stream_options")
+    return UsageOptions(include_usage=options.get("include_usage") is True,
+                        continuous=options.get("continuous_usage_stats") is True)
 
 
-def _check_numbers(body: dict[str, Any], prefix: str) -> None:
+def _check_values(body: dict[str, Any], prefix: str) -> None:
     for key in _NUMBER_FIELDS:
         value = body.get(key)
         if value is None:
@@ -194,17 +220,13 @@ def _check_numbers(body: dict[str, Any], prefix: str) -> None:
     top_k = body.get("top_k")
     if top_k is not None and not _is_int(top_k):
         raise bad_request(f"{prefix}top_k must be an integer", param=prefix + "top_k")
+    for key, value in body.items():
+        if isinstance(value, (dict, list)) and too_deep(value):
+            raise bad_request(f"{prefix}{key} is nested deeper than {MAX_JSON_DEPTH} levels", param=prefix + key)
 
 
-def _model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("model is required and must be a string", param="model")
-    return model
-
-
-def _stream(body: dict[str, Any]) -> bool:
-    stream = body.get("stream", False)
+def _stream(data: dict[str, Any]) -> bool:
+    stream = data.get("stream", False)
     if stream is None:
         return False
     if not isinstance(stream, bool):
@@ -224,36 +246,9 @@ def _optional_count(body: dict[str, Any], key: str, *, minimum: int = 1) -> int 
         raise bad_request(f"{key} must be an integer", param=key)
     if value < minimum:
         raise bad_request(f"{key} must be at least {minimum}, got {value}", param=key)
-    if value > _MAX_TOKENS_CEILING:
+    if value > MAX_TOKENS_CEILING:
         raise bad_request(f"{key} is absurdly large ({value})", param=key)
     return value
-
-
-def _check_token_ids(ids: list[int], param: str) -> None:
-    if any(t < 0 or t >= _MAX_TOKENS_CEILING for t in ids):
-        raise bad_request(f"{param} holds a token id out of range", param=param)
-
-
-def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as SGLang hands them to the template: tool-call arguments given as JSON text become objects."""
-    rendered = []
-    for message in messages:
-        calls = message.get("tool_calls")
-        if isinstance(calls, list):
-            message = {**message, "tool_calls": [_parsed_arguments(call) for call in calls]}
-        rendered.append(message)
-    return rendered
-
-
-def _parsed_arguments(call: Any) -> Any:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = orjson.loads(function["arguments"])
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"tool call arguments are not valid JSON: {exc}", param="messages") from exc
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def reject_unknown_model(name: str | None, served: list[str]) -> GatewayError:

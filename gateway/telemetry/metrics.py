@@ -33,6 +33,9 @@ class GatewayMetrics:
         self.model_clamped = Gauge("kvgate_model_limit_clamped", "1 while the limit is clamped below configuration",
                                    ["model"], registry=r)
         self.model_available = Gauge("kvgate_model_available", "1 while the model is served", ["model"], registry=r)
+        self.prompt_mismatches = Counter(
+            "kvgate_prompt_token_mismatches", "Engine prompt counts that differed from the gateway's, caught before "
+            "any output was released", ["model", "role"], registry=r)
         self.limit_clamps = Counter("kvgate_startup_limit_clamped", "Times a model's limit was clamped to its pools",
                                     ["model"], registry=r)
 

@@ -6,17 +6,24 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.engines import EngineClient, EngineError
-from routing.workers import WorkerTelemetry
+from routing.engines.client import EngineClient
+from routing.engines.errors import EngineError, EngineRejected
+from routing.engines.identity import EngineIdentity, parse_identity
 
 _POOL_METRIC = re.compile(rb"^sglang:max_total_num_tokens(?:\{[^}]*\})?\s+([0-9.eE+]+)", re.MULTILINE)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    identity: EngineIdentity
+    context_length: int | None  # effective, from /v1/models (server info's is null unless set at launch)
+
+
+@dataclass(frozen=True, slots=True)
 class Reading:
     """One worker's telemetry, or why it could not be read."""
 
-    telemetry: WorkerTelemetry | None
+    info: EngineInfo | None
     error: str | None = None
     # `sglang:max_total_num_tokens` from /metrics, when the engine exports metrics (a cross-check).
     metrics_pool_tokens: int | None = None
@@ -24,41 +31,31 @@ class Reading:
 
 async def read_worker(engines: EngineClient, url: str, *, timeout_s: float, with_metrics: bool) -> Reading:
     try:
-        info = await _server_info(engines, url, timeout_s)
+        server_info = await _server_info(engines, url, timeout_s)
         models = await engines.get_json(url, "/v1/models", timeout_s=timeout_s)
     except EngineError as exc:
         return Reading(None, str(exc))
     try:
-        telemetry = _parse(info, models)
+        info = EngineInfo(parse_identity(server_info), _effective_context(server_info, models))
     except (KeyError, TypeError, ValueError) as exc:
         return Reading(None, f"{url}: unusable server info ({exc!r})")
     pool_metric = await _metrics_pool(engines, url, timeout_s) if with_metrics else None
-    return Reading(telemetry, metrics_pool_tokens=pool_metric)
+    return Reading(info, metrics_pool_tokens=pool_metric)
 
 
 async def _server_info(engines: EngineClient, url: str, timeout_s: float) -> Any:
     try:
         return await engines.get_json(url, "/server_info", timeout_s=timeout_s)
-    except EngineError as exc:
+    except EngineRejected as exc:
         if exc.status != 404:
             raise
     return await engines.get_json(url, "/get_server_info", timeout_s=timeout_s)
 
 
-def _parse(info: Any, models: Any) -> WorkerTelemetry:
-    # /v1/models carries the effective context; server_info's context_length is null unless set at launch.
-    model_entry = (models.get("data") or [{}])[0] if isinstance(models, dict) else {}
-    context = model_entry.get("max_model_len") or info.get("context_length")
-    return WorkerTelemetry(
-        pool_tokens=int(info["max_total_num_tokens"]),
-        max_req_input_len=int(info["max_req_input_len"]),
-        context_length=int(context) if context is not None else None,
-        page_size=int(info.get("page_size") or 1),
-        version=str(info.get("version", "unknown")),
-        disaggregation_mode=str(info.get("disaggregation_mode", "null")),
-        served_model_name=info.get("served_model_name") or model_entry.get("id"),
-        tokenizer_path=info.get("tokenizer_path"),
-    )
+def _effective_context(server_info: dict[str, Any], models: Any) -> int | None:
+    entry = (models.get("data") or [{}])[0] if isinstance(models, dict) else {}
+    context = (entry.get("max_model_len") if isinstance(entry, dict) else None) or server_info.get("context_length")
+    return int(context) if context is not None else None
 
 
 async def _metrics_pool(engines: EngineClient, url: str, timeout_s: float) -> int | None:

@@ -1,0 +1,106 @@
+"""The HTTP server kvgate runs on: uvicorn with httptools, plus the limits a public edge needs.
+
+uvicorn caps concurrent connections (`limit_concurrency`, beyond it 503) but not the size or number of request
+headers; `GuardedHttpToolsProtocol` adds that, answering 431 before a header flood is buffered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httptools
+import orjson
+import uvicorn
+from starlette.types import ASGIApp
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.config import GatewayConfig
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a cap on a request's header bytes (request line included) and count."""
+
+    max_header_bytes = 64 * 1024
+    max_headers = 100
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        self._header_bytes = 0
+        self._header_count = 0
+        self._head_too_large = False
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        self._header_count = 0
+        self._in_head = True
+        self._head_too_large = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.max_headers:
+            self._head_too_large = True
+            raise ValueError("too many headers")
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._in_head:
+            self._feed(data)
+            return
+        # Feed at most what the header budget still allows: httptools buffers a header until it is complete.
+        room = self.max_header_bytes - self._header_bytes
+        head, rest = data[:room], data[room:]
+        self._header_bytes += len(head)
+        self._feed(head)
+        if rest and not self.transport.is_closing():
+            if self._in_head:
+                self._reject()
+            else:
+                self._feed(rest)
+
+    def _feed(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserError:
+            if self._head_too_large:
+                self._reject()
+            else:
+                self.send_400_response("Invalid HTTP request received.")
+
+    def _reject(self) -> None:
+        body = orjson.dumps({"error": {
+            "message": f"request headers exceed the gateway's limits ({self.max_headers} headers, "
+                       f"{self.max_header_bytes} bytes)", "type": "invalid_request_error", "param": None,
+            "code": "headers_too_large"}})
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
+
+def uvicorn_config(app: ASGIApp, config: GatewayConfig, *, log_level: str, loop: str = "uvloop") -> uvicorn.Config:
+    protocol = type("GatewayHttpProtocol", (GuardedHttpToolsProtocol,),
+                    {"max_header_bytes": config.max_header_bytes, "max_headers": config.max_headers})
+    return uvicorn.Config(app, host=config.listen.host, port=config.listen.port, log_level=log_level,
+                          access_log=False, loop=loop, http=protocol, lifespan="on",
+                          limit_concurrency=config.max_connections)
+
+
+def serve(config: GatewayConfig, *, log_level: str) -> int:
+    """Run the gateway until it is stopped; 3 when it could not start (e.g. a model refused by the KV-pool gate)."""
+    from gateway.app import create_app
+
+    server = uvicorn.Server(uvicorn_config(create_app(config), config, log_level=log_level))
+    server.run()
+    # uvicorn reports a failed startup only by not having started.
+    return 0 if server.started else 3

@@ -1,0 +1,184 @@
+"""The SGLang engine client: generate requests, their bodies and event streams, aborts and telemetry reads.
+
+Generate traffic runs only on *verified* connections: each new connection to a worker first reads `/server_info`
+on that same connection and must find the engine identity the KV-pool gate passed. An engine restarted at the same
+address (SGLang's restart closes every connection) therefore receives nothing until it is read and judged again.
+Transport failures are mapped here into `routing.engines.errors`; nothing above this module sees HTTP machinery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from routing.engines.errors import (EngineBroken, EngineChanged, EngineError, EngineRejected, EngineTimeout,
+                                    EngineUnreachable, Role)
+from routing.engines.http import ConnectFailed, ConnectionPool, HttpConnection, HttpError, Response
+from routing.engines.identity import parse_identity
+from routing.engines.sse import data_events
+from routing.workers import Worker
+
+_JSON = ((b"content-type", b"application/json"),)
+_ERROR_BODY_LIMIT = 1 << 16
+
+
+class EngineResponse:
+    """A 2xx generate response whose body is still to be read: whole, or as server-sent events."""
+
+    __slots__ = ("role", "_response")
+
+    def __init__(self, role: Role, response: Response) -> None:
+        self.role = role
+        self._response = response
+
+    async def body(self) -> bytes:
+        try:
+            return await self._response.read()
+        except HttpError as exc:
+            raise EngineBroken(self.role, f"{self.role} connection broke while answering: {exc}") from exc
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The `data:` payload of each event, `[DONE]` included."""
+        try:
+            async for payload in data_events(self._response.chunks()):
+                yield payload
+        except HttpError as exc:
+            raise EngineBroken(self.role, f"{self.role} stream broke: {exc}") from exc
+
+    def close(self) -> None:
+        """Done with it: a response not read to its end closes its connection (which SGLang takes as an abort)."""
+        self._response.close()
+
+
+class EngineClient:
+    """Connection pools to every engine; knows SGLang's routes, nothing about prefill/decode pairing."""
+
+    def __init__(self, *, connect_timeout_s: float, verify_timeout_s: float, abort_timeout_s: float) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._verify_timeout_s = verify_timeout_s
+        self._abort_timeout_s = abort_timeout_s
+        self._generation: dict[Worker, ConnectionPool] = {}
+        self._control: dict[str, ConnectionPool] = {}
+
+    async def generate(self, worker: Worker, path: str, body: bytes) -> EngineResponse:
+        """Send a generate request on a verified connection; returns once a 2xx status is in."""
+        role: Role = worker.role
+        pool = self._generation.get(worker)
+        if pool is None:
+            pool = self._generation[worker] = self._pool(worker.url, verify=worker)
+        try:
+            response = await pool.request(b"POST", path, body, _JSON)
+        except ConnectFailed as exc:
+            worker.mark_unreachable(f"connection failed: {exc}")
+            raise EngineUnreachable(role, f"{role} worker {worker.url} unreachable: {exc}") from exc
+        except HttpError as exc:
+            raise EngineBroken(role, f"{role} worker {worker.url} connection broke: {exc}") from exc
+        if response.status >= 300:
+            raise await _rejection(role, worker.url, response)
+        return EngineResponse(role, response)
+
+    async def abort(self, url: str, rid: str) -> bool:
+        """Best-effort `POST /abort_request`; True when the engine accepted it."""
+        try:
+            async with asyncio.timeout(self._abort_timeout_s):
+                response = await self._control_pool(url).request(b"POST", "/abort_request",
+                                                                 orjson.dumps({"rid": rid}), _JSON)
+                await response.read()
+                return response.status < 300
+        except (HttpError, TimeoutError):
+            return False
+
+    async def get(self, url: str, path: str, *, timeout_s: float) -> tuple[int, bytes]:
+        """A telemetry read: status and body."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                response = await self._control_pool(url).request(b"GET", path)
+                return response.status, await response.read()
+        except TimeoutError as exc:
+            raise EngineTimeout("telemetry", f"{url}{path}: no answer in {timeout_s:g}s") from exc
+        except ConnectFailed as exc:
+            raise EngineUnreachable("telemetry", f"{url}{path}: {exc}") from exc
+        except HttpError as exc:
+            raise EngineBroken("telemetry", f"{url}{path}: {exc}") from exc
+
+    async def get_json(self, url: str, path: str, *, timeout_s: float) -> Any:
+        status, body = await self.get(url, path, timeout_s=timeout_s)
+        if status >= 300:
+            raise EngineRejected("telemetry", f"{url}{path} answered {status}", status=status)
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise EngineBroken("telemetry", f"{url}{path}: not JSON") from exc
+
+    async def close(self) -> None:
+        for pool in [*self._generation.values(), *self._control.values()]:
+            pool.close()
+        self._generation.clear()
+        self._control.clear()
+
+    # ── connections ─────────────────────────────────────────────────────────────────────────────────────────
+    def _control_pool(self, url: str) -> ConnectionPool:
+        pool = self._control.get(url)
+        if pool is None:
+            pool = self._control[url] = self._pool(url)
+        return pool
+
+    def _pool(self, url: str, verify: Worker | None = None) -> ConnectionPool:
+        parts = urlsplit(url)
+        tls = ssl.create_default_context() if parts.scheme == "https" else None
+        pool = ConnectionPool(parts.hostname or "", parts.port or (443 if tls else 80),
+                              connect_timeout_s=self._connect_timeout_s, tls=tls)
+        if verify is not None:
+            pool.on_new_connection = lambda connection: self._verify(verify, pool, connection)
+        return pool
+
+    async def _verify(self, worker: Worker, pool: ConnectionPool, connection: HttpConnection) -> None:
+        """Read `/server_info` on a new connection: the engine behind it must be the one the gate verified."""
+        role: Role = worker.role
+        expected = worker.verified
+        try:
+            async with asyncio.timeout(self._verify_timeout_s):
+                status, body = await pool.fetch(connection, "/server_info")
+            identity = parse_identity(orjson.loads(body)) if status < 300 else None
+        except TimeoutError as exc:
+            raise EngineTimeout(role, f"{role} worker {worker.url} did not confirm its identity within "
+                                      f"{self._verify_timeout_s:g}s") from exc
+        except HttpError as exc:
+            raise EngineUnreachable(role, f"{role} worker {worker.url}: identity check failed: {exc}") from exc
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            identity = None
+        if expected is None or identity != expected:
+            reason = ("a new connection found an engine that is not the verified one "
+                      f"(now {identity}, verified {expected}); awaiting re-verification")
+            worker.mark_changed(reason)
+            raise EngineChanged(role, f"{role} worker {worker.url} changed: {reason}")
+
+
+async def _rejection(role: Role, url: str, response: Response) -> EngineError:
+    try:
+        detail = error_message((await response.read())[:_ERROR_BODY_LIMIT])
+    except HttpError:
+        detail = ""
+    finally:
+        response.close()
+    return EngineRejected(role, f"{role} worker {url} answered {response.status}: {detail}", status=response.status)
+
+
+def error_message(body: bytes) -> str:
+    """The human message inside any of SGLang's error envelopes, or the raw text."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode("utf-8", "replace").strip()[:500]
+    if isinstance(parsed, dict):
+        inner = parsed.get("error", parsed)
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            return inner["message"][:500]
+        if isinstance(inner, str):
+            return inner[:500]
+    return str(parsed)[:500]
