@@ -143,7 +143,10 @@ def map_engine_error(error: EngineError) -> GatewayError:
 
 
 class PDExchange:
-    """Both halves of one request. Created by the proxy, which then reads `events`."""
+    """Both halves of one request. Created by the proxy, which then reads `events`.
+
+    The halves never tear themselves down because of something outside their own engine: every timeout is a timer
+    of the exchange and every cancellation goes through `_cancel`, which keeps the order above."""
 
     def __init__(self, engines: Engines, pair: WorkerPair, admitted: AdmittedRequest, *, timeouts: TimeoutsConfig,
                  release: Release, in_flight: InFlight, rooms: RoomAllocator,
@@ -169,7 +172,7 @@ class PDExchange:
         self._released = False
         self._held: list[bytes] = []
         self._prefill_ok = False
-        self._prefill_fate_known = False
+        self._prefill_settled = asyncio.Event()  # prefill's fate is known: it answered, or never got the request
         self._decode_counted = False
         self._decode_finished = False
         self._done = False
@@ -180,7 +183,8 @@ class PDExchange:
         self._tasks: set[asyncio.Task[None]] = set()
         self._prefill_task: asyncio.Task[None] | None = None
         self._decode_task: asyncio.Task[None] | None = None
-        self._total_timer: asyncio.TimerHandle | None = None
+        self._timers: list[asyncio.TimerHandle] = []
+        self._watchdog: IdleWatchdog | None = None
 
     # ── dispatch ────────────────────────────────────────────────────────────────────────────────────────────
     def start(self) -> None:
@@ -190,7 +194,10 @@ class PDExchange:
         self._in_flight.exchanges.add(self)
         self._prefill_task = self._spawn(self._run_prefill(prefill_body))
         self._decode_task = self._spawn(self._run_decode(decode_body))
-        self._total_timer = asyncio.get_running_loop().call_later(self.timeouts.total_s, self._total_timeout)
+        loop, timeouts = asyncio.get_running_loop(), self.timeouts
+        self._timers = [loop.call_later(timeouts.prefill_s, self._prefill_timeout),
+                        loop.call_later(timeouts.first_token_s, self._first_token_timeout),
+                        loop.call_later(timeouts.total_s, self._total_timeout)]
 
     def _engine_bodies(self) -> tuple[bytes, bytes]:
         """The admitted body plus the gateway-owned fields (spliced: the body is never parsed again)."""
@@ -217,8 +224,10 @@ class PDExchange:
             self._close()
 
     def _close(self) -> None:
-        if self._total_timer is not None:
-            self._total_timer.cancel()
+        for timer in self._timers:
+            timer.cancel()
+        if self._watchdog is not None:
+            self._watchdog.stop()
         self._loads.close()
         self._rooms.release(self.room)
         self._in_flight.exchanges.discard(self)
@@ -242,24 +251,46 @@ class PDExchange:
             return
         self.client_gone = True
         self.events.put_nowait(ClientGone())
-        if self.first_token_at is not None and self._decode_task is not None and not self._decode_task.done():
+        self._maybe_let_go()
+
+    def _maybe_let_go(self) -> None:
+        """With the client gone, decode is closed once prefill has answered and decode has sent its first token."""
+        if self.client_gone and self.failure is None and self.first_token_at is not None \
+                and self._prefill_settled.is_set() and self._decode_task is not None and not self._decode_task.done():
             self._decode_task.cancel()
+
+    def _prefill_timeout(self) -> None:
+        if not self._prefill_settled.is_set():
+            self.fail(map_engine_error(EngineTimeout(
+                "prefill", f"prefill did not answer within {self.timeouts.prefill_s:g}s")))
+
+    def _first_token_timeout(self) -> None:
+        if self.first_token_at is None:
+            self.fail(map_engine_error(EngineTimeout(
+                "decode", f"decode produced no first token within {self.timeouts.first_token_s:g}s")))
+
+    def _idle_timeout(self) -> None:
+        self.fail(map_engine_error(EngineTimeout("decode", f"decode sent nothing for {self.timeouts.idle_s:g}s")))
 
     def _total_timeout(self) -> None:
         self.fail(GatewayError(504, f"request exceeded its total time limit of {self.timeouts.total_s:g}s",
                                code="total_timeout"))
 
     async def _cancel(self) -> None:
+        """Prefill first when its fate is unknown, decode only after prefill's abort has answered."""
         prefill, decode = self.pair.prefill, self.pair.decode
-        if not self._prefill_fate_known:
+        if not self._prefill_settled.is_set():
             await _stop(self._prefill_task)
             await self.engines.abort(prefill.url, self.rid)
+            self._prefill_settled.set()
         await _stop(self._decode_task)
         if not self._decode_finished:
             await self.engines.abort(decode.url, self.rid)
 
     # ── release ─────────────────────────────────────────────────────────────────────────────────────────────
     def _emit(self, payload: bytes) -> None:
+        if self.client_gone:
+            return
         if self._released:
             self.events.put_nowait(payload)
         else:
@@ -267,7 +298,7 @@ class PDExchange:
             self._maybe_release()
 
     def _maybe_release(self) -> None:
-        if self.failure is not None:
+        if self.failure is not None or self.client_gone:
             return
         if not self._released and (not self._release_verified
                                    or (self._prefill_ok and (self._decode_counted or self._decode_finished))):
@@ -298,21 +329,18 @@ class PDExchange:
         response: EngineStream | None = None
         try:
             version = _verified_version(worker)
-            async with asyncio.timeout(self.timeouts.prefill_s):
-                response = await self.engines.generate(worker, self.admitted.route, body)
-                payload = await response.body()
-            self._prefill_fate_known = True
+            response = await self.engines.generate(worker, self.admitted.route, body)
+            payload = await response.body()
+            self._prefill_settled.set()
             result = _parse_result("prefill", payload)
             self._verify_count("prefill", worker, _reported_prompt_tokens(self.admitted.route, result), version)
             self._prefill_ok = True
             self._maybe_release()
-        except TimeoutError:
-            self.fail(map_engine_error(EngineTimeout(
-                "prefill", f"prefill did not answer within {self.timeouts.prefill_s:g}s")))
+            self._maybe_let_go()
         except PromptCountMismatch as exc:
             self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
         except (EngineRejected, EngineUnreachable, EngineChanged) as error:
-            self._prefill_fate_known = True  # it answered, or the request never reached it
+            self._prefill_settled.set()  # it answered, or the request never reached it
             self.fail(map_engine_error(error))
         except EngineError as error:
             self.fail(map_engine_error(error))
@@ -323,47 +351,38 @@ class PDExchange:
     # ── decode half ─────────────────────────────────────────────────────────────────────────────────────────
     async def _run_decode(self, body: bytes) -> None:
         worker = self.pair.decode
-        route = self.admitted.route
         response: EngineStream | None = None
-        watchdog: IdleWatchdog | None = None
         try:
             version = _verified_version(worker)
-            async with asyncio.timeout(self.timeouts.first_token_s):
-                response = await self.engines.generate(worker, route, body)
-                events = aiter(response.events())
-                first = await anext(events, None)
-            if first is None or first == b"[DONE]":
-                raise EngineBroken("decode", "decode stream ended before its first token")
-            self.first_token_at = time.monotonic()
-            self._on_decode_event(first, worker, version)
-            if self.client_gone:
-                return
-            watchdog = IdleWatchdog(self.timeouts.idle_s, asyncio.current_task())
-            async for data in events:
-                watchdog.touch()
+            response = await self.engines.generate(worker, self.admitted.route, body)
+            async for data in response.events():
+                if self._watchdog is not None:
+                    self._watchdog.touch()
                 if data == b"[DONE]":
                     self._decode_finished = True
                     continue
+                first = self.first_token_at is None
+                if first:
+                    self.first_token_at = time.monotonic()
+                    self._watchdog = IdleWatchdog(self.timeouts.idle_s, self._idle_timeout)
                 self._on_decode_event(data, worker, version)
+                if first:
+                    self._maybe_let_go()
             if not self._decode_finished:
-                raise EngineBroken("decode", "decode stream ended without [DONE]")
+                raise EngineBroken("decode", "decode stream ended before its first token" if self.first_token_at
+                                   is None else "decode stream ended without [DONE]")
             self._maybe_release()
-        except TimeoutError:
-            self.fail(map_engine_error(EngineTimeout(
-                "decode", f"decode produced no first token within {self.timeouts.first_token_s:g}s")))
         except PromptCountMismatch as exc:
             self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
+            await _parked()  # keep the connection: `_cancel` closes it in the safe order
         except EngineError as error:
             self.fail(map_engine_error(error))
         except asyncio.CancelledError:
-            if watchdog is not None and watchdog.fired and self.failure is None:
-                self.fail(map_engine_error(EngineTimeout(
-                    "decode", f"decode sent nothing for {self.timeouts.idle_s:g}s")))
-            elif not self.client_gone and self.failure is None:
+            if self.failure is None and not self.client_gone:
                 raise
         finally:
-            if watchdog is not None:
-                watchdog.stop()
+            if self._watchdog is not None:
+                self._watchdog.stop()
             if response is not None:
                 response.close()
             if self.client_gone and self.failure is None and not self._decode_finished:
@@ -388,16 +407,15 @@ class PromptCountMismatch(Exception):
 
 
 class IdleWatchdog:
-    """Cancels a task after `idle_s` without `touch()`. One timer per idle period, re-armed lazily, because
+    """Calls `on_idle` after `idle_s` without `touch()`. One timer per idle period, re-armed lazily, because
     re-arming a timer on every chunk would cost more than the relay itself."""
 
-    def __init__(self, idle_s: float, task: asyncio.Task[Any] | None) -> None:
+    def __init__(self, idle_s: float, on_idle: Callable[[], None]) -> None:
         self._idle_s = idle_s
-        self._task = task
+        self._on_idle = on_idle
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
         self._timer: asyncio.TimerHandle | None = self._loop.call_at(self._last + idle_s, self._check)
-        self.fired = False
 
     def touch(self) -> None:
         self._last = self._loop.time()
@@ -408,13 +426,17 @@ class IdleWatchdog:
             self._timer = self._loop.call_at(deadline, self._check)
             return
         self._timer = None
-        self.fired = True
-        if self._task is not None:
-            self._task.cancel()
+        self._on_idle()
 
     def stop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
+
+
+async def _parked() -> None:
+    """Wait until cancelled."""
+    await asyncio.get_running_loop().create_future()
 
 
 async def _stop(task: asyncio.Task[None] | None) -> None:

@@ -1,0 +1,101 @@
+"""In-process fake engines for the lifecycle: each half is driven step by step by the test, and everything the
+gateway does to the engines (requests, closes, aborts) lands in one ordered log."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from routing.engines.errors import EngineError
+from routing.workers import Worker
+
+END = None  # pushed to end a body or an event stream
+
+
+class FakeHalf:
+    """One engine. `accept()` / `reject(error)` answer its request; `push(...)` feeds its body or events."""
+
+    def __init__(self, role: str, log: list[tuple[str, str]]) -> None:
+        self.role = role
+        self.log = log
+        self.bodies: list[dict[str, Any]] = []
+        self._headers: asyncio.Future[None] | None = None
+        self._items: asyncio.Queue[bytes | EngineError | None] = asyncio.Queue()
+        self.requested = asyncio.Event()
+
+    # what the gateway calls
+    async def generate(self, body: bytes) -> FakeStream:
+        self.bodies.append(orjson.loads(body))
+        self.log.append(("request", self.role))
+        self._headers = asyncio.get_running_loop().create_future()
+        self.requested.set()
+        try:
+            await self._headers
+        except asyncio.CancelledError:
+            self.log.append(("close", self.role))  # the real client closes a connection it stops waiting on
+            raise
+        return FakeStream(self)
+
+    # what the test calls
+    def accept(self) -> None:
+        assert self._headers is not None, f"{self.role} has no request yet"
+        self._headers.set_result(None)
+
+    def reject(self, error: EngineError) -> None:
+        assert self._headers is not None, f"{self.role} has no request yet"
+        self._headers.set_exception(error)
+
+    def push(self, *items: bytes | EngineError | None) -> None:
+        for item in items:
+            self._items.put_nowait(item)
+
+
+class FakeStream:
+    def __init__(self, half: FakeHalf) -> None:
+        self._half = half
+
+    async def body(self) -> bytes:
+        parts = []
+        async for part in self._read():
+            parts.append(part)
+        return b"".join(parts)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        async for part in self._read():
+            yield part
+
+    def close(self) -> None:
+        self._half.log.append(("close", self._half.role))
+
+    async def _read(self) -> AsyncIterator[bytes]:
+        while True:
+            item = await self._half._items.get()
+            if item is END:
+                return
+            if isinstance(item, EngineError):
+                raise item
+            yield item
+
+
+class FakeEngines:
+    """Implements what `gateway.lifecycle.Engines` needs; aborts answer after `abort_delay_s`."""
+
+    def __init__(self, prefill: Worker, decode: Worker, abort_delay_s: float = 0.0) -> None:
+        self.log: list[tuple[str, str]] = []
+        self.halves = {prefill.url: FakeHalf("prefill", self.log), decode.url: FakeHalf("decode", self.log)}
+        self.prefill = self.halves[prefill.url]
+        self.decode = self.halves[decode.url]
+        self.abort_delay_s = abort_delay_s
+
+    async def generate(self, worker: Worker, path: str, body: bytes) -> FakeStream:
+        return await self.halves[worker.url].generate(body)
+
+    async def abort(self, url: str, rid: str) -> bool:
+        role = self.halves[url].role
+        self.log.append(("abort", role))
+        await asyncio.sleep(self.abort_delay_s)
+        self.log.append(("abort answered", role))
+        return True

@@ -1,0 +1,269 @@
+"""The PD lifecycle contract in-process, in milliseconds: every phase (before prefill ends, between prefill and the
+first token, mid-stream) × every event (client gone, prefill fails, decode fails, timeout), plus verify-then-release.
+Fake engines record, in order, every request, close and abort the exchange makes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.admission.admit import AdmittedRequest
+from gateway.admission.dialects import Dialect
+from gateway.admission.requests import UsageOptions
+from gateway.config import TimeoutsConfig
+from gateway.lifecycle import ClientGone, Done, Failure, InFlight, PDExchange, RelayEvent, Release, RoomAllocator
+from routing.engines.errors import EngineBroken, EngineRejected
+from routing.engines.identity import EngineIdentity
+from routing.pools import WorkerPair
+from routing.workers import Worker, WorkerSpec
+from tests.fake_engines import END, FakeEngines
+
+COUNT = 10
+FAST = TimeoutsConfig(connect_s=1, prefill_s=0.3, first_token_s=0.3, idle_s=0.2, total_s=5, abort_s=1)
+
+
+def _worker(url: str, role: str) -> Worker:
+    worker = Worker(WorkerSpec(url, role, 8998 if role == "prefill" else None))  # type: ignore[arg-type]
+    worker.accept(EngineIdentity(100_000, 8185, 1, "0.5.23", role, "glm-5", "/t", None))
+    return worker
+
+
+def _event(tokens: int = COUNT, text: str = "x") -> bytes:
+    return orjson.dumps({"text": text, "meta_info": {"prompt_tokens": tokens, "finish_reason": None}})
+
+
+class Run:
+    """One exchange over fake engines, with the relay's view of it."""
+
+    def __init__(self, release: Release = "verified", timeouts: TimeoutsConfig = FAST) -> None:
+        prefill, decode = _worker("http://p", "prefill"), _worker("http://d", "decode")
+        self.engines = FakeEngines(prefill, decode)
+        admitted = AdmittedRequest("/generate", "glm-5", True, b'{"text":"hi","sampling_params":{}}',
+                                   {Dialect.V0_5_23: COUNT}, 4, UsageOptions())
+        self.exchange = PDExchange(self.engines, WorkerPair(prefill, decode), admitted, timeouts=timeouts,
+                                   release=release, in_flight=InFlight(), rooms=RoomAllocator())
+        self.prefill, self.decode = self.engines.prefill, self.engines.decode
+
+    async def start(self) -> None:
+        self.exchange.start()
+        await asyncio.wait_for(asyncio.gather(self.prefill.requested.wait(), self.decode.requested.wait()), 1)
+
+    def relayed(self) -> list[RelayEvent]:
+        queue, out = self.exchange.events, []
+        while not queue.empty():
+            out.append(queue.get_nowait())
+        return out
+
+    async def finished(self) -> list[tuple[str, str]]:
+        await asyncio.wait_for(self.exchange.closed, 2)
+        return self.engines.log
+
+    async def prefill_answers(self, tokens: int = COUNT) -> None:
+        self.prefill.accept()
+        self.prefill.push(orjson.dumps({"text": "", "meta_info": {"prompt_tokens": tokens}}), END)
+        await _settle()
+
+    async def first_token(self) -> None:
+        self.decode.accept()
+        self.decode.push(_event())
+        await _settle()
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def _run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())
+
+
+def _after(log: list[tuple[str, str]], first: tuple[str, str], then: tuple[str, str]) -> bool:
+    return first in log and then in log and log.index(first) < log.index(then)
+
+
+# ── verify, then release ──────────────────────────────────────────────────────────────────────────────────────
+def test_no_decode_byte_is_released_before_prefill_answered_and_counts_verified() -> None:
+    async def scenario() -> None:
+        run = Run()
+        await run.start()
+        await run.first_token()
+        run.decode.push(_event(text="xy"))
+        await _settle()
+        assert run.relayed() == []  # held: prefill has not answered
+        await run.prefill_answers()
+        assert run.relayed() == [_event(), _event(text="xy")]
+        run.decode.push(b"[DONE]", END)
+        log = await run.finished()
+        assert run.relayed() == [Done()]
+        assert ("abort", "prefill") not in log and ("abort", "decode") not in log
+        # The engines got the gateway-owned fields, spliced into the admitted body.
+        prefill_body, decode_body = run.prefill.bodies[0], run.decode.bodies[0]
+        assert prefill_body["stream"] is False and decode_body["stream"] is True
+        assert prefill_body["rid"] == decode_body["rid"] == run.exchange.rid
+        assert prefill_body["bootstrap_room"] == decode_body["bootstrap_room"] == run.exchange.room
+    _run(scenario)
+
+
+@pytest.mark.parametrize("liar", ["prefill", "decode"])
+def test_an_engine_count_that_differs_cancels_both_halves_with_zero_bytes_released(liar: str) -> None:
+    async def scenario() -> None:
+        run = Run()
+        await run.start()
+        run.decode.accept()
+        run.decode.push(_event(tokens=COUNT + 3 if liar == "decode" else COUNT))
+        await run.prefill_answers(tokens=COUNT + 3 if liar == "prefill" else COUNT)
+        log = await run.finished()
+        events = run.relayed()
+        assert len(events) == 1 and isinstance(events[0], Failure)
+        assert events[0].error.status == 502 and events[0].error.code == "prompt_token_mismatch"
+        assert run.exchange.mismatch is not None and run.exchange.mismatch.role == liar
+        assert run.exchange.mismatch.reported == COUNT + 3 and run.exchange.mismatch.expected == COUNT
+        assert ("abort", "decode") in log and ("close", "decode") in log
+    _run(scenario)
+
+
+def test_a_prefill_that_reports_no_count_is_not_trusted() -> None:
+    async def scenario() -> None:
+        run = Run()
+        await run.start()
+        await run.first_token()
+        run.prefill.accept()
+        run.prefill.push(b'{"text": ""}', END)
+        await run.finished()
+        assert [type(e) for e in run.relayed()] == [Failure]
+    _run(scenario)
+
+
+def test_immediate_release_relays_before_prefill_but_still_fails_a_mismatch() -> None:
+    async def scenario() -> None:
+        run = Run(release="immediate")
+        await run.start()
+        await run.first_token()
+        assert run.relayed() == [_event()]
+        await run.prefill_answers(tokens=COUNT + 1)
+        await run.finished()
+        events = run.relayed()
+        assert isinstance(events[-1], Failure) and events[-1].error.code == "prompt_token_mismatch"
+    _run(scenario)
+
+
+@pytest.mark.parametrize("body", [b'{"object": "error", "message": "boom", "type": "x", "code": 500}',
+                                  b'{"error": {"message": "boom"}}',
+                                  b'{"text": "", "meta_info": {"prompt_tokens": 10, "finish_reason": '
+                                  b'{"type": "abort", "message": "Input length exceeds the maximum allowed length"}}}',
+                                  b'not json'])
+def test_an_error_shaped_prefill_2xx_is_a_failure(body: bytes) -> None:
+    async def scenario() -> None:
+        run = Run()
+        await run.start()
+        await run.first_token()
+        run.prefill.accept()
+        run.prefill.push(body, END)
+        await run.finished()
+        events = run.relayed()
+        assert len(events) == 1 and isinstance(events[0], Failure) and events[0].error.status != 200
+    _run(scenario)
+
+
+# ── the matrix: phase × event ─────────────────────────────────────────────────────────────────────────────────
+PHASES = ["before_prefill_ends", "before_first_token", "mid_stream"]
+
+
+async def _reach(run: Run, phase: str) -> None:
+    await run.start()
+    if phase in ("before_first_token", "mid_stream"):
+        await run.prefill_answers()
+    if phase == "mid_stream":
+        await run.first_token()
+        assert run.relayed() == [_event()]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_client_gone_holds_prefill_to_its_answer_and_decode_to_its_first_token_then_aborts_decode(phase: str) -> None:
+    async def scenario() -> None:
+        run = Run()
+        await _reach(run, phase)
+        run.exchange.disconnect()
+        await _settle()
+        if phase != "mid_stream":
+            assert ("close", "decode") not in run.engines.log  # still held for its first token
+            await run.first_token()
+        if phase == "before_prefill_ends":
+            # Prefill is still held for its answer, and decode with it: closing decode could free KV pages
+            # that the prefill is still writing into.
+            assert ("close", "prefill") not in run.engines.log and ("close", "decode") not in run.engines.log
+            await run.prefill_answers()
+        log = await run.finished()
+        assert ("abort", "decode") in log and _after(log, ("close", "decode"), ("abort", "decode"))
+        assert ("abort", "prefill") not in log
+        assert isinstance(run.relayed()[-1], ClientGone) and run.exchange.failure is None
+    _run(scenario)
+
+
+def test_prefill_failure_with_unknown_fate_aborts_prefill_before_decode_is_released() -> None:
+    async def scenario() -> None:
+        run = Run()
+        run.engines.abort_delay_s = 0.05
+        await _reach(run, "before_prefill_ends")
+        await run.first_token()
+        run.prefill.accept()
+        run.prefill.push(EngineBroken("prefill", "connection dropped mid-answer"))
+        log = await run.finished()
+        assert [type(e) for e in run.relayed()] == [Failure]
+        # Prefill closed and its abort answered before decode was closed and aborted.
+        assert _after(log, ("abort answered", "prefill"), ("close", "decode"))
+        assert _after(log, ("close", "decode"), ("abort", "decode"))
+    _run(scenario)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_decode_failure_cancels_both_halves_in_the_safe_order(phase: str) -> None:
+    async def scenario() -> None:
+        run = Run()
+        await _reach(run, phase)
+        if phase == "mid_stream":
+            run.decode.push(EngineBroken("decode", "stream dropped"))
+        else:
+            run.decode.reject(EngineRejected("decode", "decode answered 503", status=503))
+        log = await run.finished()
+        events = run.relayed()
+        assert isinstance(events[-1], Failure) and events[-1].error.status == 502
+        assert not any(isinstance(e, Done) for e in events)
+        if phase == "before_prefill_ends":
+            assert _after(log, ("abort answered", "prefill"), ("abort", "decode"))
+        else:
+            assert ("abort", "prefill") not in log
+    _run(scenario)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_timeouts_in_each_phase_end_with_504_and_abort(phase: str) -> None:
+    async def scenario() -> None:
+        run = Run()
+        await _reach(run, phase)
+        # Nothing more arrives: prefill, first-token or idle timeout fires.
+        log = await run.finished()
+        events = run.relayed()
+        assert isinstance(events[-1], Failure) and events[-1].error.status == 504
+        assert ("abort", "decode") in log
+        if phase == "before_prefill_ends":
+            assert _after(log, ("abort answered", "prefill"), ("close", "decode"))
+    _run(scenario)
+
+
+def test_total_timeout_fails_a_slow_but_alive_stream() -> None:
+    async def scenario() -> None:
+        run = Run(timeouts=FAST.model_copy(update={"total_s": 0.2, "idle_s": 5}))
+        await _reach(run, "mid_stream")
+        for _ in range(6):
+            run.decode.push(_event())
+            await asyncio.sleep(0.05)
+        await run.finished()
+        events: list[Any] = run.relayed()
+        assert isinstance(events[-1], Failure) and events[-1].error.code == "total_timeout"
+    _run(scenario)
