@@ -1,0 +1,180 @@
+"""The engine client over real sockets: keep-alive reuse, bodies in every framing, error mapping at its edge, and
+the promise behind restart safety — a new connection carries a generate request only after the engine on it has
+shown the identity the KV-pool gate verified."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import orjson
+import pytest
+
+from routing.engines.client import EngineClient
+from routing.engines.errors import EngineBroken, EngineChanged, EngineRejected, EngineUnreachable
+from routing.engines.identity import EngineIdentity, parse_identity
+from routing.workers import Worker, WorkerSpec
+
+SERVER_INFO = {"max_total_num_tokens": 4096, "max_req_input_len": 4089, "page_size": 1, "version": "0.5.23",
+               "disaggregation_mode": "decode", "served_model_name": "glm-5", "tokenizer_path": "/t",
+               "context_length": 8192}
+
+Handler = Callable[[str, bytes], Awaitable[bytes]]
+
+
+class Engine:
+    """A scripted HTTP/1.1 server: `/server_info` answers `info`; generate paths answer with `reply`."""
+
+    def __init__(self, reply: bytes, *, hang_up: bool = False) -> None:
+        self.info = dict(SERVER_INFO)
+        self.reply = reply
+        self.hang_up = hang_up
+        self.connections = 0
+        self.requests: list[tuple[int, str]] = []  # (connection number, path)
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                request_line, *headers = head.decode().split("\r\n")
+                path = request_line.split()[1]
+                length = next((int(h.split(":")[1]) for h in headers if h.lower().startswith("content-length")), 0)
+                await reader.readexactly(length)
+                self.requests.append((number, path))
+                if path == "/server_info":
+                    body = orjson.dumps(self.info)
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                else:
+                    writer.write(self.reply)
+                await writer.drain()
+                if self.hang_up and path != "/server_info":
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+def _worker(url: str) -> Worker:
+    worker = Worker(WorkerSpec(url, "decode"))
+    worker.accept(parse_identity(SERVER_INFO))
+    return worker
+
+
+def _client() -> EngineClient:
+    return EngineClient(connect_timeout_s=1, verify_timeout_s=1, abort_timeout_s=1)
+
+
+def _run(coroutine: Awaitable[None]) -> None:
+    asyncio.run(coroutine)  # type: ignore[arg-type]
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+CHUNKED = STREAM_HEAD + _chunk(b'data: {"a":1}\n\n') + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+
+def test_events_stream_over_chunked_encoding_and_the_connection_is_reused() -> None:
+    async def scenario() -> None:
+        engine = Engine(CHUNKED)
+        worker, client = _worker(await engine.start()), _client()
+        for _ in range(3):
+            response = await client.generate(worker, "/generate", b"{}")
+            assert [e async for e in response.events()] == [b'{"a":1}', b"[DONE]"]
+        # One connection, verified once, then three requests on it.
+        assert engine.requests == [(1, "/server_info"), (1, "/generate"), (1, "/generate"), (1, "/generate")]
+        await client.close()
+        engine.close()
+    _run(scenario())
+
+
+@pytest.mark.parametrize(("reply", "hang_up"), [
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n{\"ok\":true}", False),
+    (b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n{\"ok\":true}", True)])
+def test_whole_bodies_with_a_length_or_ended_by_close(reply: bytes, hang_up: bool) -> None:
+    async def scenario() -> None:
+        engine = Engine(reply, hang_up=hang_up)
+        worker, client = _worker(await engine.start()), _client()
+        response = await client.generate(worker, "/generate", b"{}")
+        assert await response.body() == b'{"ok":true}'
+        await client.close()
+        engine.close()
+    _run(scenario())
+
+
+def test_an_engine_restarted_with_another_identity_gets_no_request() -> None:
+    async def scenario() -> None:
+        engine = Engine(CHUNKED)
+        url = await engine.start()
+        worker, client = _worker(url), _client()
+        woken: list[Worker] = []
+        worker.on_needs_verification(woken.append)
+        engine.info["max_total_num_tokens"] = 2048  # "restarted with a smaller pool"
+        engine.info["max_req_input_len"] = 2041
+        with pytest.raises(EngineChanged):
+            await client.generate(worker, "/generate", b"{}")
+        assert [path for _, path in engine.requests] == ["/server_info"]  # the generate never went out
+        assert worker.verified is None and not worker.usable and woken == [worker]
+        await client.close()
+        engine.close()
+    _run(scenario())
+
+
+def test_refused_connection_is_unreachable_and_takes_the_worker_out() -> None:
+    async def scenario() -> None:
+        engine = Engine(CHUNKED)
+        url = await engine.start()
+        engine.close()
+        await asyncio.sleep(0.05)
+        worker, client = _worker(url), _client()
+        with pytest.raises(EngineUnreachable):
+            await client.generate(worker, "/generate", b"{}")
+        assert not worker.usable
+        await client.close()
+    _run(scenario())
+
+
+def test_non_2xx_is_a_rejection_with_the_engines_message_and_length_rejections_are_recognised() -> None:
+    async def scenario() -> None:
+        message = b'{"error": {"message": "Input length (9000 tokens) exceeds the maximum allowed length"}}'
+        engine = Engine(b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n%s" % (len(message), message))
+        worker, client = _worker(await engine.start()), _client()
+        with pytest.raises(EngineRejected) as caught:
+            await client.generate(worker, "/generate", b"{}")
+        assert caught.value.status == 400 and caught.value.length_rejection
+        assert "exceeds the maximum allowed length" in caught.value.message
+        await client.close()
+        engine.close()
+    _run(scenario())
+
+
+def test_a_stream_cut_short_is_broken_not_finished() -> None:
+    async def scenario() -> None:
+        engine = Engine(STREAM_HEAD + _chunk(b'data: {"a":1}\n\n'), hang_up=True)
+        worker, client = _worker(await engine.start()), _client()
+        response = await client.generate(worker, "/generate", b"{}")
+        events = response.events()
+        assert await anext(events) == b'{"a":1}'
+        with pytest.raises(EngineBroken):
+            await anext(events)
+        engine.close()
+        await client.close()
+    _run(scenario())
+
+
+def test_identity_equality_is_what_the_gate_judges() -> None:
+    assert parse_identity(SERVER_INFO) == EngineIdentity(4096, 4089, 1, "0.5.23", "decode", "glm-5", "/t", 8192)
