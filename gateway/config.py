@@ -134,6 +134,7 @@ class GatewayConfig(_Strict):
     max_headers: int = Field(100, gt=0)
     max_connections: int = Field(1024, gt=0, description="open client connections; beyond it new requests get 503")
     token_cache_bytes: int = Field(64 * 2**20, ge=0)
+    admission_workers: int = Field(1, ge=1, description="processes that admit large bodies off the event loop")
     models: list[ModelConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

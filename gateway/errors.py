@@ -27,6 +27,10 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Picklable (it crosses from the admission worker process): rebuilt from its fields, not from `args`.
+        return (_rebuild, (type(self), self.status, self.message, self.type, self.code, self.param))
+
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
@@ -36,6 +40,13 @@ class GatewayError(Exception):
     def sse_event(self) -> bytes:
         """The error as a final server-sent event, for a stream that has already started."""
         return b"data: " + self.json() + b"\n\n"
+
+
+def _rebuild(cls: type[GatewayError], status: int, message: str, type: str, code: str | None,
+             param: str | None) -> GatewayError:
+    error = Exception.__new__(cls)
+    GatewayError.__init__(error, status, message, type=type, code=code, param=param)
+    return error
 
 
 def _default_type(status: int) -> str:

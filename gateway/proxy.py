@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Receive, Scope, Send
 
-from gateway.admission.requests import ClientRequest, Route, UsageOptions, decode_json_object, parse_request, \
-    requested_model
+from gateway.admission.requests import Route, UsageOptions
 from gateway.assemble import assembler_for
 from gateway.errors import GatewayError
 from gateway.lifecycle import ClientGone, Done, Failure, PDExchange
@@ -103,10 +102,7 @@ class GenerateEndpoint:
         except ConnectionAbortedError:
             return
         try:
-            data = decode_json_object(raw)
-            model = gateway.model_for(requested_model(self.route, data))
-            request = parse_request(self.route, data, model.chat_settings)
-            admitted = await model.admission.admit(request, tenant=tenant_of(scope), dialects=model.dialects())
+            model, admitted = await gateway.admit(self.route, raw, tenant=tenant_of(scope))
             pair = model.pool.pick_pair()
         except NoWorkerAvailable as exc:
             await send_error(send, GatewayError(503, str(exc), code="no_worker_available"))
@@ -117,8 +113,8 @@ class GenerateEndpoint:
         exchange = gateway.dispatch(model, pair, admitted)
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, exchange))
         try:
-            if request.stream:
-                await _relay_stream(exchange, send, request)
+            if admitted.stream:
+                await _relay_stream(exchange, send)
             else:
                 await _relay_whole(exchange, send)
         finally:
@@ -146,9 +142,9 @@ def _presented(payload: bytes, usage: UsageOptions | None) -> bytes | None:
     return payload if usage.continuous else _USAGE.sub(b',"usage":null', payload)
 
 
-async def _relay_stream(exchange: PDExchange, send: Send, request: ClientRequest) -> None:
+async def _relay_stream(exchange: PDExchange, send: Send) -> None:
     queue = exchange.events
-    usage = request.usage if request.route != "/generate" else None
+    usage = exchange.admitted.usage if exchange.admitted.route != "/generate" else None
     event = await queue.get()
     match event:
         case ClientGone():

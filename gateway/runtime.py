@@ -7,14 +7,13 @@ import logging
 from dataclasses import dataclass
 
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
-from gateway.admission.chat import ChatSettings, default_template_kwargs
-from gateway.admission.chat_template import ChatTemplate
-from gateway.admission.counting import TokenCounter
+from gateway.admission.chat import ChatSettings
 from gateway.admission.dialects import Dialect, dialect_for
-from gateway.admission.requests import reject_unknown_model
-from gateway.admission.tokenizer import ModelTokenizer
+from gateway.admission.offload import INLINE_BODY_BYTES, AdmissionWorkers, ModelState
+from gateway.admission.pipeline import admit_body, build_admission, resolve_model
+from gateway.admission.requests import Route
 from gateway.config import GatewayConfig, ModelConfig
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import GatewayError
 from gateway.lifecycle import InFlight, PDExchange, RoomAllocator
 from gateway.telemetry.metrics import GatewayMetrics
 from routing.engines.client import EngineClient
@@ -71,16 +70,8 @@ def health_spec(config: GatewayConfig) -> HealthSpec:
 
 def build_model(config: ModelConfig, *, cache_bytes: int) -> ServedModel:
     """Load the tokenizer and chat template (slow: call off the event loop) and lay out the worker pool."""
-    tokenizer = ModelTokenizer.load(config.tokenizer)
-    template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template)
-    allowed = (frozenset(config.chat_template_kwargs) if config.chat_template_kwargs is not None
-               else default_template_kwargs(template.variables_read))
-    limits = PromptLimits(prompt_tokens=config.configured_prompt_limit, context_length=config.context_length,
-                          default_output_tokens=config.default_max_tokens, max_output_tokens=config.max_output_tokens)
-    admission = Admission(config.name, tokenizer, TokenCounter(tokenizer, cache_bytes=cache_bytes), template,
-                          ChatSettings(template.content_format, allowed), limits)
     spec = model_spec(config)
-    return ServedModel(config, spec, admission, pool_for(spec))
+    return ServedModel(config, spec, build_admission(config, cache_bytes=cache_bytes), pool_for(spec))
 
 
 class GateRefused(Exception):
@@ -96,6 +87,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.engines: EngineClient | None = None
         self.monitor: WorkerMonitor | None = None
+        self.admission_workers: AdmissionWorkers | None = None
         self.judgements: dict[str, ModelJudgement] = {}
 
     async def start(self) -> None:
@@ -104,6 +96,8 @@ class Gateway:
             loop.run_in_executor(None, lambda m=m: build_model(m, cache_bytes=self.config.token_cache_bytes))
             for m in self.config.models))
         self.models = {model.name: model for model in built}
+        self.admission_workers = AdmissionWorkers(self.config.models, workers=self.config.admission_workers,
+                                                  cache_bytes=self.config.token_cache_bytes)
         timeouts = self.config.timeouts
         self.engines = EngineClient(connect_timeout_s=timeouts.connect_s, verify_timeout_s=self.config.health.timeout_s,
                                     abort_timeout_s=timeouts.abort_s)
@@ -124,23 +118,23 @@ class Gateway:
         await self.in_flight.drain(timeout_s=5.0)
         if self.engines is not None:
             await self.engines.close()
+        if self.admission_workers is not None:
+            self.admission_workers.close()
         for model in self.models.values():
             model.admission.counter.close()
 
     def model_for(self, name: str | None) -> ServedModel:
-        if name is None:
-            if len(self.models) != 1:
-                raise bad_request("model is required when the gateway serves several models", param="model")
-            model = next(iter(self.models.values()))
+        return resolve_model(name, self.models, lambda model: model.unavailable)
+
+    async def admit(self, route: Route, raw: bytes, *, tenant: str) -> tuple[ServedModel, AdmittedRequest]:
+        """Count and check a body: on the event loop when it is small, in an admission worker when it is large."""
+        if len(raw) <= INLINE_BODY_BYTES:
+            admitted = await admit_body(route, raw, tenant=tenant, find_model=self.model_for)
         else:
-            found = self.models.get(name)
-            if found is None:
-                raise reject_unknown_model(name, list(self.models))
-            model = found
-        if model.unavailable:
-            raise GatewayError(503, f"model {model.name!r} is not served: {model.unavailable}",
-                               code="model_unavailable")
-        return model
+            assert self.admission_workers is not None
+            state = {m.name: ModelState(m.admission.limits, m.dialects(), m.unavailable) for m in self.models.values()}
+            admitted = await self.admission_workers.admit(route, raw, tenant=tenant, state=state)
+        return self.models[admitted.model], admitted
 
     def dispatch(self, model: ServedModel, pair: WorkerPair, admitted: AdmittedRequest) -> PDExchange:
         assert self.engines is not None

@@ -1,0 +1,116 @@
+"""Admission of large bodies in a worker process, so no request can stall the event loop.
+
+Threads are not enough: parsing JSON (orjson), rendering a template and joining large strings are C calls that hold
+the GIL throughout — a 64 MiB body of tiny objects takes seconds to parse — and the event loop waits for every one
+of them. A body above `INLINE_BODY_BYTES` is therefore admitted whole (parse, reduce, render, count, build the engine
+body) in a separate process; the event loop only copies the raw body out and the engine body back. Small bodies,
+whose every step is bounded to a few milliseconds, stay on the loop, where they are cheapest.
+
+Each worker process builds every model's tokenizer, template and token-count cache once (lazily, on the first large
+body); a tenant's bodies go to the same worker, so its count cache stays warm. The worker only counts and checks: the
+gateway process still owns model availability, limits (sent with each call) and dispatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import multiprocessing
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+from dataclasses import dataclass
+
+from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
+from gateway.admission.chat import ChatSettings
+from gateway.admission.dialects import Dialect
+from gateway.admission.pipeline import admit_body, build_admission, resolve_model
+from gateway.admission.requests import Route
+from gateway.config import ModelConfig
+from gateway.errors import GatewayError
+
+log = logging.getLogger("kvgate.admission")
+
+# Bodies up to this size are admitted on the event loop: parsing even a worst-case one (tiny nested objects) stays
+# within a few milliseconds.
+INLINE_BODY_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ModelState:
+    """What the worker must know of a model's current state (the gateway process owns it)."""
+
+    limits: PromptLimits
+    dialects: frozenset[Dialect]
+    unavailable: str | None
+
+
+class AdmissionWorkers:
+    """`workers` processes, each admitting one large body at a time; a tenant always uses the same one."""
+
+    def __init__(self, models: list[ModelConfig], *, workers: int, cache_bytes: int) -> None:
+        self._models = models
+        self._cache_bytes = cache_bytes
+        self._executors: list[ProcessPoolExecutor | None] = [None] * workers
+
+    async def admit(self, route: Route, raw: bytes, *, tenant: str, state: dict[str, ModelState]) -> AdmittedRequest:
+        slot = int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=4).digest(), "big") % len(self._executors)
+        executor = self._executor(slot)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(executor, _admit, route, raw, tenant, state)
+        except BrokenExecutor as exc:
+            # The worker died (killed, out of memory): a fresh one serves the next large body.
+            log.error("admission worker %d died (%s); restarting it", slot, exc)
+            self._executors[slot] = None
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise GatewayError(503, "the admission worker for large requests failed; retry",
+                               code="admission_unavailable") from exc
+
+    def close(self) -> None:
+        for executor in self._executors:
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
+
+    def _executor(self, slot: int) -> ProcessPoolExecutor:
+        executor = self._executors[slot]
+        if executor is None:
+            # spawn: the gateway process runs threads (event loop, counting pools) that a fork would copy mid-state.
+            executor = self._executors[slot] = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                initargs=(self._models, self._cache_bytes))
+        return executor
+
+
+# ── in the worker process ───────────────────────────────────────────────────────────────────────────────────
+_admissions: dict[str, Admission] = {}
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+@dataclass(slots=True)
+class _WorkerModel:
+    admission: Admission
+    state: ModelState
+
+    @property
+    def chat_settings(self) -> ChatSettings:
+        return self.admission.chat
+
+    def dialects(self) -> frozenset[Dialect]:
+        return self.state.dialects
+
+
+def _start_worker(models: list[ModelConfig], cache_bytes: int) -> None:
+    global _loop
+    _loop = asyncio.new_event_loop()
+    for config in models:
+        _admissions[config.name] = build_admission(config, cache_bytes=cache_bytes)
+
+
+def _admit(route: Route, raw: bytes, tenant: str, state: dict[str, ModelState]) -> AdmittedRequest:
+    assert _loop is not None
+
+    def find_model(name: str | None) -> _WorkerModel:
+        admission = resolve_model(name, _admissions, lambda a: state[a.model].unavailable)
+        admission.limits = state[admission.model].limits
+        return _WorkerModel(admission, state[admission.model])
+
+    return _loop.run_until_complete(admit_body(route, raw, tenant=tenant, find_model=find_model))

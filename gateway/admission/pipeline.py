@@ -1,0 +1,68 @@
+"""A request body → an admitted request: parse, reduce, count, check. The same steps run on the event loop for
+small bodies and in an admission worker process for large ones (`gateway.admission.offload`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol, TypeVar
+
+from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
+from gateway.admission.chat import ChatSettings, default_template_kwargs
+from gateway.admission.chat_template import ChatTemplate
+from gateway.admission.counting import TokenCounter
+from gateway.admission.dialects import Dialect
+from gateway.admission.requests import Route, decode_json_object, parse_request, reject_unknown_model, \
+    requested_model
+from gateway.admission.tokenizer import ModelTokenizer
+from gateway.config import ModelConfig
+from gateway.errors import GatewayError, bad_request
+
+M = TypeVar("M")
+
+
+class AdmittingModel(Protocol):
+    """What admission needs of a served model."""
+
+    @property
+    def admission(self) -> Admission: ...
+
+    @property
+    def chat_settings(self) -> ChatSettings: ...
+
+    def dialects(self) -> frozenset[Dialect]: ...
+
+
+async def admit_body(route: Route, raw: bytes, *, tenant: str,
+                     find_model: Callable[[str | None], AdmittingModel]) -> AdmittedRequest:
+    """`find_model` raises the 404/503 for a model that is unknown or not served."""
+    data = decode_json_object(raw)
+    model = find_model(requested_model(route, data))
+    request = parse_request(route, data, model.chat_settings)
+    return await model.admission.admit(request, tenant=tenant, dialects=model.dialects())
+
+
+def resolve_model(name: str | None, models: Mapping[str, M], unavailable: Callable[[M], str | None]) -> M:
+    """The model a request names (or the only one served): 400 when ambiguous, 404 unknown, 503 not served."""
+    if name is None:
+        if len(models) != 1:
+            raise bad_request("model is required when the gateway serves several models", param="model")
+        name = next(iter(models))
+    model = models.get(name)
+    if model is None:
+        raise reject_unknown_model(name, list(models))
+    reason = unavailable(model)
+    if reason:
+        raise GatewayError(503, f"model {name!r} is not served: {reason}", code="model_unavailable")
+    return model
+
+
+def build_admission(config: ModelConfig, *, cache_bytes: int) -> Admission:
+    """Load the model's tokenizer and chat template (slow: call off the event loop)."""
+    tokenizer = ModelTokenizer.load(config.tokenizer)
+    template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template)
+    allowed = (frozenset(config.chat_template_kwargs) if config.chat_template_kwargs is not None
+               else default_template_kwargs(template.variables_read))
+    limits = PromptLimits(prompt_tokens=config.configured_prompt_limit, context_length=config.context_length,
+                          default_output_tokens=config.default_max_tokens, max_output_tokens=config.max_output_tokens)
+    return Admission(config.name, tokenizer, TokenCounter(tokenizer, cache_bytes=cache_bytes), template,
+                     ChatSettings(template.content_format, allowed), limits)
