@@ -24,7 +24,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -84,7 +84,7 @@ class EngineStream(Protocol):
 
 
 class Engines(Protocol):
-    async def generate(self, worker: Worker, path: str, body: bytes) -> EngineStream: ...
+    async def generate(self, worker: Worker, path: str, body: Sequence[bytes | memoryview]) -> EngineStream: ...
     async def abort(self, url: str, rid: str) -> bool: ...
 
 
@@ -199,8 +199,9 @@ class PDExchange:
                         loop.call_later(timeouts.first_token_s, self._first_token_timeout),
                         loop.call_later(timeouts.total_s, self._total_timeout)]
 
-    def _engine_bodies(self) -> tuple[bytes, bytes]:
-        """The admitted body plus the gateway-owned fields (spliced: the body is never parsed again)."""
+    def _engine_bodies(self) -> tuple[tuple[memoryview, bytes], tuple[memoryview, bytes]]:
+        """The admitted body plus the gateway-owned fields, spliced in as a second part: the body is neither parsed
+        nor copied again (it may be megabytes)."""
         base = self.admitted.engine_body
         prefill = self.pair.prefill
         owned = b',"rid":%s,"bootstrap_room":%d,"bootstrap_host":%s,"bootstrap_port":%s' % (
@@ -209,8 +210,8 @@ class PDExchange:
         # The decode always streams, to see the first token; on the OpenAI routes it reports usage in every event.
         decode_extra = b',"stream":true' if self.admitted.route == "/generate" else \
             b',"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
-        head = base[:-1] + owned
-        return head + b',"stream":false}', head + decode_extra + b"}"
+        head = memoryview(base)[:-1]
+        return (head, owned + b',"stream":false}'), (head, owned + decode_extra + b"}")
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coroutine)

@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.admission.requests import Route, UsageOptions
 from gateway.assemble import assembler_for
+from gateway.body import RequestBody
 from gateway.errors import GatewayError
 from gateway.lifecycle import ClientGone, Done, Failure, PDExchange
 from routing.pools import NoWorkerAvailable
@@ -37,24 +38,22 @@ class BodyTooLarge(GatewayError):
         super().__init__(413, f"request body exceeds the gateway's limit of {limit} bytes", code="body_too_large")
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole body, refusing with 413 as soon as it is known to exceed `limit` (before reading it all)."""
+async def read_body(scope: Scope, receive: Receive, body: RequestBody, limit: int) -> None:
+    """The whole body into `body`, refusing with 413 as soon as it is known to exceed `limit` (before reading it
+    all)."""
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             raise BodyTooLarge(limit)
-    parts: list[bytes] = []
-    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ConnectionAbortedError
         chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
+        if body.size + len(chunk) > limit:
             raise BodyTooLarge(limit)
-        parts.append(chunk)
+        body.add(chunk)
         if not message.get("more_body", False):
-            return b"".join(parts)
+            return
 
 
 def tenant_of(scope: Scope) -> str:
@@ -87,38 +86,45 @@ class GenerateEndpoint:
         if scope["method"] != "POST":
             await send_error(send, GatewayError(405, f"{self.route} accepts POST only"))
             return
-        gateway = self.gateway
-        try:
-            async with asyncio.timeout(gateway.config.timeouts.client_body_s):
-                raw = await read_body(scope, receive, gateway.config.max_body_bytes)
-        except TimeoutError:
-            await send_error(send, GatewayError(408, "the request body did not arrive within "
-                                                f"{gateway.config.timeouts.client_body_s:g}s",
-                                                code="request_timeout"), _CLOSE)
+        with RequestBody() as body:
+            exchange = await self._admit(scope, receive, send, body)
+        if exchange is None:
             return
-        except BodyTooLarge as error:
-            await send_error(send, error, _CLOSE)
-            return
-        except ConnectionAbortedError:
-            return
-        try:
-            model, admitted = await gateway.admit(self.route, raw, tenant=tenant_of(scope))
-            pair = model.pool.pick_pair()
-        except NoWorkerAvailable as exc:
-            await send_error(send, GatewayError(503, str(exc), code="no_worker_available"))
-            return
-        except GatewayError as error:
-            await send_error(send, error)
-            return
-        exchange = gateway.dispatch(model, pair, admitted)
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, exchange))
         try:
-            if admitted.stream:
+            if exchange.admitted.stream:
                 await _relay_stream(exchange, send)
             else:
                 await _relay_whole(exchange, send)
         finally:
             watcher.cancel()
+
+    async def _admit(self, scope: Scope, receive: Receive, send: Send, body: RequestBody) -> PDExchange | None:
+        """Read, count and check the request, and dispatch it; or answer the error and return None."""
+        gateway = self.gateway
+        try:
+            async with asyncio.timeout(gateway.config.timeouts.client_body_s):
+                await read_body(scope, receive, body, gateway.config.max_body_bytes)
+        except TimeoutError:
+            await send_error(send, GatewayError(408, "the request body did not arrive within "
+                                                f"{gateway.config.timeouts.client_body_s:g}s",
+                                                code="request_timeout"), _CLOSE)
+            return None
+        except BodyTooLarge as error:
+            await send_error(send, error, _CLOSE)
+            return None
+        except ConnectionAbortedError:
+            return None
+        try:
+            model, admitted = await gateway.admit(self.route, body, tenant=tenant_of(scope))
+            pair = model.pool.pick_pair()
+        except NoWorkerAvailable as exc:
+            await send_error(send, GatewayError(503, str(exc), code="no_worker_available"))
+            return None
+        except GatewayError as error:
+            await send_error(send, error)
+            return None
+        return gateway.dispatch(model, pair, admitted)
 
 
 def _count_header(exchange: PDExchange) -> list[tuple[bytes, bytes]]:

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
 from gateway.admission.chat import ChatSettings
 from gateway.admission.dialects import Dialect, dialect_for
-from gateway.admission.offload import INLINE_BODY_BYTES, AdmissionWorkers, ModelState
+from gateway.admission.offload import AdmissionWorkers, ModelState
 from gateway.admission.pipeline import admit_body, build_admission, resolve_model
 from gateway.admission.requests import Route
+from gateway.body import RequestBody
 from gateway.config import GatewayConfig, ModelConfig
 from gateway.errors import GatewayError
 from gateway.lifecycle import InFlight, PDExchange, RoomAllocator
@@ -126,14 +127,15 @@ class Gateway:
     def model_for(self, name: str | None) -> ServedModel:
         return resolve_model(name, self.models, lambda model: model.unavailable)
 
-    async def admit(self, route: Route, raw: bytes, *, tenant: str) -> tuple[ServedModel, AdmittedRequest]:
+    async def admit(self, route: Route, body: RequestBody, *, tenant: str) -> tuple[ServedModel, AdmittedRequest]:
         """Count and check a body: on the event loop when it is small, in an admission worker when it is large."""
-        if len(raw) <= INLINE_BODY_BYTES:
+        raw = body.in_memory
+        if raw is not None:
             admitted = await admit_body(route, raw, tenant=tenant, find_model=self.model_for)
         else:
-            assert self.admission_workers is not None
+            assert self.admission_workers is not None and body.path is not None
             state = {m.name: ModelState(m.admission.limits, m.dialects(), m.unavailable) for m in self.models.values()}
-            admitted = await self.admission_workers.admit(route, raw, tenant=tenant, state=state)
+            admitted = await self.admission_workers.admit(route, body.path, tenant=tenant, state=state)
         return self.models[admitted.model], admitted
 
     def dispatch(self, model: ServedModel, pair: WorkerPair, admitted: AdmittedRequest) -> PDExchange:

@@ -17,7 +17,7 @@ the headline; and glm-5 for the burst case), and non-streaming chat on the paced
 32 output tokens and carries a distinct prompt (no token-count cache hits).
 
 Event-loop lag: the gateway process is started through this module (`--serve`), which runs the function behind
-`kvgate serve` (gateway.cli.serve) unchanged after wrapping `uvicorn.Server.serve` to add one task that sleeps 10 ms in a loop and records how late
+`kvgate serve` (gateway.server.serve) unchanged after wrapping `uvicorn.Server.serve` to add one task that sleeps 10 ms in a loop and records how late
 it wakes (timer overshoot, perf_counter). No gateway file is touched and nothing is added to the request path;
 the probe costs ~100 wake-ups/s. uvloop timers have 1 ms granularity, so an idle loop already shows ~1 ms; the
 idle baseline is printed next to the figure under load. `--plain` runs `python -m gateway.cli serve` itself (no
@@ -61,7 +61,7 @@ PROMPT = ("You are reviewing a pull request for a gateway that sits in front of 
           "Change number")
 
 
-# ── the gateway process (--serve): gateway.cli.main plus a loop-lag probe ─────────────────────────────────────
+# ── the gateway process (--serve): gateway.server.serve plus a loop-lag probe ─────────────────────────────────────
 def serve_with_lag_probe(config_path: str) -> int:
     """Run `kvgate serve` unchanged, with a timer-overshoot sampler on its event loop; SIGUSR1 dumps the samples
     as JSON [[monotonic_s, lag_s], ...] to $KVGATE_BENCH_LAG_FILE."""
@@ -71,7 +71,8 @@ def serve_with_lag_probe(config_path: str) -> int:
 
     import logging
 
-    import gateway.cli
+    from gateway.config import load_config
+    from gateway.server import serve as serve_gateway
 
     lag_file = os.environ[LAG_FILE_ENV]
     original_serve = uvicorn.Server.serve
@@ -101,11 +102,10 @@ def serve_with_lag_probe(config_path: str) -> int:
             task.cancel()
 
     uvicorn.Server.serve = serve  # type: ignore[method-assign]
-    # The function behind `kvgate serve` (named `serve`, formerly `_serve`), called directly rather than through
-    # argument parsing; it builds the uvicorn server exactly as the CLI does.
-    run = getattr(gateway.cli, "serve", None) or getattr(gateway.cli, "_serve")
+    # The function behind `kvgate serve`, called directly rather than through argument parsing; it builds the
+    # uvicorn server exactly as the CLI does.
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(run(config_path, "warning"))
+    return serve_gateway(load_config(config_path), log_level="warning")
 
 
 # ── setup ─────────────────────────────────────────────────────────────────────────────────────────────────────

@@ -4,7 +4,7 @@ gateway does to the engines (requests, closes, aborts) lands in one ordered log.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import orjson
@@ -27,8 +27,8 @@ class FakeHalf:
         self.requested = asyncio.Event()
 
     # what the gateway calls
-    async def generate(self, body: bytes) -> FakeStream:
-        self.bodies.append(orjson.loads(body))
+    async def generate(self, body: Sequence[bytes | memoryview]) -> FakeStream:
+        self.bodies.append(orjson.loads(b"".join(body)))
         self.log.append(("request", self.role))
         self._headers = asyncio.get_running_loop().create_future()
         self.requested.set()
@@ -90,7 +90,7 @@ class FakeEngines:
         self.decode = self.halves[decode.url]
         self.abort_delay_s = abort_delay_s
 
-    async def generate(self, worker: Worker, path: str, body: bytes) -> FakeStream:
+    async def generate(self, worker: Worker, path: str, body: Sequence[bytes | memoryview]) -> FakeStream:
         return await self.halves[worker.url].generate(body)
 
     async def abort(self, url: str, rid: str) -> bool:

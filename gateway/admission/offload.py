@@ -2,9 +2,9 @@
 
 Threads are not enough: parsing JSON (orjson), rendering a template and joining large strings are C calls that hold
 the GIL throughout — a 64 MiB body of tiny objects takes seconds to parse — and the event loop waits for every one
-of them. A body above `INLINE_BODY_BYTES` is therefore admitted whole (parse, reduce, render, count, build the engine
-body) in a separate process; the event loop only copies the raw body out and the engine body back. Small bodies,
-whose every step is bounded to a few milliseconds, stay on the loop, where they are cheapest.
+of them. A large body (`gateway.body`) is therefore admitted whole (parse, reduce, render, count, build the engine body) in a
+separate process, which reads it from the file it was spooled to; only the engine body of an admitted request comes
+back. Small bodies, whose every step is bounded to a few milliseconds, stay on the loop, where they are cheapest.
 
 Each worker process builds every model's tokenizer, template and token-count cache once (lazily, on the first large
 body); a tenant's bodies go to the same worker, so its count cache stays warm. The worker only counts and checks: the
@@ -30,11 +30,6 @@ from gateway.errors import GatewayError
 
 log = logging.getLogger("kvgate.admission")
 
-# Bodies up to this size are admitted on the event loop: parsing even a worst-case one (tiny nested objects) stays
-# within a few milliseconds.
-INLINE_BODY_BYTES = 64 * 1024
-
-
 @dataclass(frozen=True, slots=True)
 class ModelState:
     """What the worker must know of a model's current state (the gateway process owns it)."""
@@ -52,11 +47,12 @@ class AdmissionWorkers:
         self._cache_bytes = cache_bytes
         self._executors: list[ProcessPoolExecutor | None] = [None] * workers
 
-    async def admit(self, route: Route, raw: bytes, *, tenant: str, state: dict[str, ModelState]) -> AdmittedRequest:
+    async def admit(self, route: Route, body_path: str, *, tenant: str,
+                    state: dict[str, ModelState]) -> AdmittedRequest:
         slot = int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=4).digest(), "big") % len(self._executors)
         executor = self._executor(slot)
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, _admit, route, raw, tenant, state)
+            return await asyncio.get_running_loop().run_in_executor(executor, _admit, route, body_path, tenant, state)
         except BrokenExecutor as exc:
             # The worker died (killed, out of memory): a fresh one serves the next large body.
             log.error("admission worker %d died (%s); restarting it", slot, exc)
@@ -105,8 +101,10 @@ def _start_worker(models: list[ModelConfig], cache_bytes: int) -> None:
         _admissions[config.name] = build_admission(config, cache_bytes=cache_bytes)
 
 
-def _admit(route: Route, raw: bytes, tenant: str, state: dict[str, ModelState]) -> AdmittedRequest:
+def _admit(route: Route, body_path: str, tenant: str, state: dict[str, ModelState]) -> AdmittedRequest:
     assert _loop is not None
+    with open(body_path, "rb") as body:
+        raw = body.read()
 
     def find_model(name: str | None) -> _WorkerModel:
         admission = resolve_model(name, _admissions, lambda a: state[a.model].unavailable)

@@ -18,7 +18,7 @@ import orjson
 
 from routing.engines.errors import (EngineBroken, EngineChanged, EngineError, EngineRejected, EngineTimeout,
                                     EngineUnreachable, Role)
-from routing.engines.http import ConnectFailed, ConnectionPool, HttpConnection, HttpError, Response
+from routing.engines.http import Body, ConnectFailed, ConnectionPool, HttpConnection, HttpError, Response
 from routing.engines.identity import parse_identity
 from routing.engines.sse import data_events
 from routing.workers import Worker
@@ -65,8 +65,9 @@ class EngineClient:
         self._generation: dict[Worker, ConnectionPool] = {}
         self._control: dict[str, ConnectionPool] = {}
 
-    async def generate(self, worker: Worker, path: str, body: bytes) -> EngineResponse:
-        """Send a generate request on a verified connection; returns once a 2xx status is in."""
+    async def generate(self, worker: Worker, path: str, body: Body) -> EngineResponse:
+        """Send a generate request (its JSON body in parts) on a verified connection; returns once a 2xx status
+        is in."""
         role: Role = worker.role
         pool = self._generation.get(worker)
         if pool is None:
@@ -87,7 +88,7 @@ class EngineClient:
         try:
             async with asyncio.timeout(self._abort_timeout_s):
                 response = await self._control_pool(url).request(b"POST", "/abort_request",
-                                                                 orjson.dumps({"rid": rid}), _JSON)
+                                                                 (orjson.dumps({"rid": rid}),), _JSON)
                 await response.read()
                 return response.status < 300
         except (HttpError, TimeoutError):

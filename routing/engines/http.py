@@ -14,7 +14,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import httptools
 
@@ -42,6 +42,8 @@ class ProtocolViolation(HttpError):
 
 
 NewConnectionHook = Callable[["HttpConnection"], Awaitable[None]]
+Body = Sequence[bytes | memoryview]  # a request body in parts, written in order
+_COALESCE_BYTES = 64 * 1024
 
 
 class Response:
@@ -188,16 +190,19 @@ class HttpConnection(asyncio.Protocol):
         response._end()
 
     # ── used by the pool ────────────────────────────────────────────────────────────────────────────────────
-    async def send(self, head: bytes, body: bytes, on_finish: Callable[[HttpConnection, bool], None]) -> Response:
+    async def send(self, head: bytes, body: Body, on_finish: Callable[[HttpConnection, bool], None]) -> Response:
         """Write a request and wait for the response's status and headers."""
         if self.closed or self._transport is None or self._transport.is_closing():
             raise ConnectionClosed("connection is closed")
         self._parser = httptools.HttpResponseParser(self)
         response = self._response = Response(self, on_finish)
         self._headers_ready = asyncio.get_running_loop().create_future()
-        self._transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            self._transport.write(body)
+        if _length(body) < _COALESCE_BYTES:
+            self._transport.write(b"".join((head, *body)))  # one segment for a small request
+        else:
+            self._transport.write(head)
+            for part in body:  # large parts go out as they are: no copy of a multi-megabyte body
+                self._transport.write(part)
         try:
             await self._headers_ready
         except BaseException:
@@ -258,11 +263,11 @@ class ConnectionPool:
         self._busy: set[HttpConnection] = set()
         self._host_header = f"{host}:{port}".encode()
 
-    async def request(self, method: bytes, path: str, body: bytes = b"",
+    async def request(self, method: bytes, path: str, body: Body = (),
                       headers: tuple[tuple[bytes, bytes], ...] = ()) -> Response:
         connection = await self.acquire()
         try:
-            return await connection.send(self._head(method, path, headers, len(body)), body, self._finished)
+            return await connection.send(self._head(method, path, headers, _length(body)), body, self._finished)
         except BaseException:
             self._busy.discard(connection)
             connection.close()
@@ -270,7 +275,7 @@ class ConnectionPool:
 
     async def fetch(self, connection: HttpConnection, path: str) -> tuple[int, bytes]:
         """A GET on `connection` itself (from a new-connection hook), leaving it ready for the next request."""
-        response = await connection.send(self._head(b"GET", path, (), 0), b"", _detach)
+        response = await connection.send(self._head(b"GET", path, (), 0), (), _detach)
         body = await response.read()
         if not connection.reusable:
             raise ConnectionClosed("the engine closed the connection after answering")
@@ -326,6 +331,10 @@ class ConnectionPool:
             self._idle.append(connection)
         else:
             connection.close()
+
+
+def _length(body: Body) -> int:
+    return sum(len(part) for part in body)
 
 
 def _detach(connection: HttpConnection, reusable: bool) -> None:

@@ -93,7 +93,7 @@ def test_events_stream_over_chunked_encoding_and_the_connection_is_reused() -> N
         engine = Engine(CHUNKED)
         worker, client = _worker(await engine.start()), _client()
         for _ in range(3):
-            response = await client.generate(worker, "/generate", b"{}")
+            response = await client.generate(worker, "/generate", (b"{}",))
             assert [e async for e in response.events()] == [b'{"a":1}', b"[DONE]"]
         # One connection, verified once, then three requests on it.
         assert engine.requests == [(1, "/server_info"), (1, "/generate"), (1, "/generate"), (1, "/generate")]
@@ -109,7 +109,7 @@ def test_whole_bodies_with_a_length_or_ended_by_close(reply: bytes, hang_up: boo
     async def scenario() -> None:
         engine = Engine(reply, hang_up=hang_up)
         worker, client = _worker(await engine.start()), _client()
-        response = await client.generate(worker, "/generate", b"{}")
+        response = await client.generate(worker, "/generate", (b"{}",))
         assert await response.body() == b'{"ok":true}'
         await client.close()
         engine.close()
@@ -126,7 +126,7 @@ def test_an_engine_restarted_with_another_identity_gets_no_request() -> None:
         engine.info["max_total_num_tokens"] = 2048  # "restarted with a smaller pool"
         engine.info["max_req_input_len"] = 2041
         with pytest.raises(EngineChanged):
-            await client.generate(worker, "/generate", b"{}")
+            await client.generate(worker, "/generate", (b"{}",))
         assert [path for _, path in engine.requests] == ["/server_info"]  # the generate never went out
         assert worker.verified is None and not worker.usable and woken == [worker]
         await client.close()
@@ -142,7 +142,7 @@ def test_refused_connection_is_unreachable_and_takes_the_worker_out() -> None:
         await asyncio.sleep(0.05)
         worker, client = _worker(url), _client()
         with pytest.raises(EngineUnreachable):
-            await client.generate(worker, "/generate", b"{}")
+            await client.generate(worker, "/generate", (b"{}",))
         assert not worker.usable
         await client.close()
     _run(scenario())
@@ -154,7 +154,7 @@ def test_non_2xx_is_a_rejection_with_the_engines_message_and_length_rejections_a
         engine = Engine(b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n%s" % (len(message), message))
         worker, client = _worker(await engine.start()), _client()
         with pytest.raises(EngineRejected) as caught:
-            await client.generate(worker, "/generate", b"{}")
+            await client.generate(worker, "/generate", (b"{}",))
         assert caught.value.status == 400 and caught.value.length_rejection
         assert "exceeds the maximum allowed length" in caught.value.message
         await client.close()
@@ -166,7 +166,7 @@ def test_a_stream_cut_short_is_broken_not_finished() -> None:
     async def scenario() -> None:
         engine = Engine(STREAM_HEAD + _chunk(b'data: {"a":1}\n\n'), hang_up=True)
         worker, client = _worker(await engine.start()), _client()
-        response = await client.generate(worker, "/generate", b"{}")
+        response = await client.generate(worker, "/generate", (b"{}",))
         events = response.events()
         assert await anext(events) == b'{"a":1}'
         with pytest.raises(EngineBroken):
