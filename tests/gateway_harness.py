@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+import uvloop
 import yaml
 
 from gateway.app import create_app
@@ -107,7 +108,7 @@ def start_gateway(config_path: Path, *, timeout_s: float = 30.0) -> RunningGatew
     holder: dict[str, asyncio.AbstractEventLoop] = {}
 
     def serve() -> None:
-        loop = asyncio.new_event_loop()
+        loop = uvloop.new_event_loop()  # as deployed
         holder["loop"] = loop
         try:
             loop.run_until_complete(server.serve())

@@ -37,6 +37,7 @@ _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 MAX_MESSAGES = 65_536
 MAX_TOOLS = 8_192
 MAX_JSON_DEPTH = 32
+MAX_JSON_NODES = 65_536  # objects, arrays and values in one free-form field (tool schemas, kwargs, formats)
 
 
 def default_template_kwargs(variables_read: frozenset[str]) -> frozenset[str]:
@@ -392,21 +393,25 @@ def _integer(value: Any, name: str) -> int:
 
 
 def _check_depth(value: Any, name: str) -> None:
-    """Free-form JSON the gateway forwards must stay shallow enough to render and re-serialise."""
-    if too_deep(value):
-        raise bad_request(f"{name} is nested deeper than {MAX_JSON_DEPTH} levels",
-                          param=name.split(".")[0].split("[")[0])
+    """Free-form JSON the gateway forwards must stay small and shallow enough to render and re-serialise."""
+    problem = free_form_problem(value)
+    if problem:
+        raise bad_request(f"{name} {problem}", param=name.split(".")[0].split("[")[0])
 
 
-def too_deep(value: Any) -> bool:
-    """Whether JSON `value` nests more than MAX_JSON_DEPTH levels (iteratively: no recursion limit to hit)."""
+def free_form_problem(value: Any) -> str | None:
+    """Why JSON `value` is too deep or too large to forward, or None (iterative: no recursion limit to hit)."""
     stack = [(value, 1)]
+    nodes = 0
     while stack:
         item, depth = stack.pop()
+        nodes += 1
         if depth > MAX_JSON_DEPTH:
-            return True
+            return f"is nested deeper than {MAX_JSON_DEPTH} levels"
+        if nodes > MAX_JSON_NODES:
+            return f"holds more than {MAX_JSON_NODES} JSON values"
         if isinstance(item, dict):
-            stack.extend((child, depth + 1) for child in item.values() if isinstance(child, (dict, list)))
+            stack.extend((child, depth + 1) for child in item.values())
         elif isinstance(item, list):
-            stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
-    return False
+            stack.extend((child, depth + 1) for child in item)
+    return None

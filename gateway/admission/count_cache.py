@@ -32,11 +32,12 @@ def cache_scope(identity: str, tenant: str) -> bytes:
     return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
 
 
-def text_key(scope: bytes, text: str) -> bytes:
-    """SHA-256 over the scope and the text's UTF-8; raises UnicodeEncodeError for lone surrogates."""
+def text_key(scope: bytes, text: str, start: int = 0, stop: int | None = None) -> bytes:
+    """SHA-256 over the scope and the UTF-8 of text[start:stop]; raises UnicodeEncodeError for lone surrogates."""
+    stop = len(text) if stop is None else stop
     h = hashlib.sha256(scope)
-    for i in range(0, len(text), _HASH_SLICE_CHARS):
-        h.update(text[i : i + _HASH_SLICE_CHARS].encode("utf-8"))
+    for i in range(start, stop, _HASH_SLICE_CHARS):
+        h.update(text[i : min(i + _HASH_SLICE_CHARS, stop)].encode("utf-8"))
     return h.digest()
 
 

@@ -11,12 +11,22 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
 
 from gateway.admission.count_cache import CacheStats, CountCache, cache_scope, text_key
-from gateway.admission.gil import YIELD_CHARS, yield_gil
-from gateway.admission.parallel_count import PIECE_CHARS, EncodeFailed, ParallelCounter, encode_lengths
+from gateway.admission.gil import Pacer
+from gateway.admission.isolated_encode import IsolatedCounter
+from gateway.admission.parallel_count import (
+    ISOLATE_TOKENS,
+    PIECE_CHARS,
+    EncodeFailed,
+    ParallelCounter,
+    Span,
+    encode_lengths,
+)
 from gateway.admission.pretok_cuts import PieceCutter
 from gateway.admission.segmenting import AddedTokenSplitter, Segment, UnsupportedSplit
 from gateway.admission.self_check import cutting_holds, segmenting_holds
@@ -30,6 +40,47 @@ class UnencodableText(ValueError):
 # Prompts up to this many characters are counted on the event loop: at most ~0.5 ms of encoding, cheaper than
 # the thread hop, far below the 10 ms loop-lag budget.
 INLINE_CHARS = 1024
+_TINY_CHARS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class CountResult:
+    tokens: int
+    exact: bool  # False after an early exit: `tokens` is then only a lower bound, above the limit
+
+
+@dataclass
+class _Plain:
+    """A prompt's plain text between added tokens, grouped for counting."""
+
+    text: str
+    added: int = 0  # added tokens
+    # Tiny plain texts, copied out and counted by occurrence (a prompt can hold millions of `<|user|>x`);
+    # longer ones as spans of the prompt, hashed and later cut straight from it.
+    tiny: dict[str, int] = field(default_factory=dict)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, text: str, segments: Iterable[Segment]) -> _Plain:
+        plain = cls(text)
+        pacer = Pacer()
+        for start, stop, token_id in segments:
+            pacer.step()
+            if token_id is not None:
+                plain.added += 1
+            elif stop - start <= _TINY_CHARS:
+                part = text[start:stop]
+                plain.tiny[part] = plain.tiny.get(part, 0) + 1
+            else:
+                plain.spans.append((start, stop))
+        return plain
+
+    def counted(self) -> Iterator[tuple[Span, int]]:
+        """Each distinct tiny text and each span, with its occurrences."""
+        for part, times in self.tiny.items():
+            yield (part, 0, len(part)), times
+        for start, stop in self.spans:
+            yield (self.text, start, stop), 1
 
 
 class TokenCounter:
@@ -40,15 +91,20 @@ class TokenCounter:
         cache_bytes: int = 64 * 2**20,
         threads: int | None = None,
         piece_chars: int = PIECE_CHARS,
+        isolate_tokens: int = ISOLATE_TOKENS,
     ) -> None:
-        """`threads`: cores used to count one long prompt (default: all); `piece_chars`: parallel work unit."""
+        """`threads`: cores used to count one long prompt (default: all); `piece_chars`: parallel work unit;
+        `isolate_tokens`: pieces that may hold more tokens are counted in a helper process."""
         cores = threads or os.cpu_count() or 1
         self._tok = tokenizer
         segmentable = tokenizer.segmentable and segmenting_holds(tokenizer)
         cuttable = tokenizer.pretok_cuttable and cutting_holds(tokenizer)
         self._splitter = AddedTokenSplitter(tokenizer.added_tokens) if segmentable else None
         cutter = PieceCutter(tokenizer.tokenizer.pre_tokenizer) if cuttable else None
-        self._parallel = ParallelCounter(tokenizer.tokenizer, cutter, cores, piece_chars)
+        self._isolated = IsolatedCounter(tokenizer.source)
+        self._parallel = ParallelCounter(
+            tokenizer.tokenizer, cutter, cores, piece_chars, isolated=self._isolated, isolate_tokens=isolate_tokens
+        )
         self._cache = CountCache(cache_bytes)
         # Request threads mostly wait (in GIL-free encoding or on piece workers), so allow several at once.
         self._requests = ThreadPoolExecutor(4 * cores, thread_name_prefix="tokcount")
@@ -61,6 +117,12 @@ class TokenCounter:
         With `limit`, may stop once the count provably exceeds it and return some value > limit.
         Raises UnencodableText for text the tokenizer cannot encode.
         """
+        return (await self.count_bounded(text, tenant=tenant, add_special_tokens=add_special_tokens, limit=limit)).tokens
+
+    async def count_bounded(
+        self, text: str, *, tenant: str, add_special_tokens: bool = False, limit: int | None = None
+    ) -> CountResult:
+        """As `count`, telling an exact count from an early exit's lower bound."""
         if len(text) <= INLINE_CHARS:
             # A thread hop costs more than encoding a short prompt (~60 µs of CPU against ~115 µs measured).
             return self._count_blocking(text, tenant, add_special_tokens, limit)
@@ -88,57 +150,52 @@ class TokenCounter:
     def close(self) -> None:
         self._requests.shutdown(wait=False, cancel_futures=True)
         self._parallel.close()
+        self._isolated.close()
 
     def _extra(self, add_special_tokens: bool) -> int:
         return self._tok.special_tokens_added if add_special_tokens else 0
 
-    def _count_blocking(self, text: str, tenant: str, add_special_tokens: bool, limit: int | None) -> int:
+    def _count_blocking(self, text: str, tenant: str, add_special_tokens: bool, limit: int | None) -> CountResult:
         total = self._extra(add_special_tokens)
         if limit is not None and self._tok.max_token_bytes:
             # A token covers at most max_token_bytes bytes, hence at most that many characters.
             floor = total + math.ceil(len(text) / self._tok.max_token_bytes)
             if floor > limit:
-                return floor
+                return CountResult(floor, exact=False)
+        plain, cut = self._plain(text)
+        total += plain.added
         scope = cache_scope(self._tok.identity, tenant)
-        missed: dict[bytes, tuple[str, int]] = {}  # key -> (text, occurrences in this prompt)
-        segments, split = self._segments(text)
-        since_yield = 0
-        for seg in segments:
-            if seg.token_id is not None:
-                total += 1
-                continue
-            since_yield += len(seg.text)
-            if since_yield > YIELD_CHARS:
-                yield_gil()
-                since_yield = 0
+        missed: dict[bytes, tuple[Span, int]] = {}  # key -> (span, occurrences in this prompt)
+        pacer = Pacer()
+        for span, times in plain.counted():
+            pacer.step()
             try:
-                key = text_key(scope, seg.text)
+                key = text_key(scope, *span)
             except UnicodeEncodeError as exc:
                 raise UnencodableText(str(exc)) from exc
             if key in missed:
-                missed[key] = (seg.text, missed[key][1] + 1)
+                missed[key] = (span, missed[key][1] + times)
             elif (cached := self._cache.get(key)) is None:
-                missed[key] = (seg.text, 1)
+                missed[key] = (span, times)
             else:
-                total += cached
+                total += cached * times
         budget = None if limit is None else limit - total
         if budget is not None and budget < 0:
-            return total
+            return CountResult(total, exact=not missed)
         try:
-            texts = [t for t, _ in missed.values()]
-            counts, complete = self._parallel.lengths(texts, budget, cut=split)
+            counts, complete = self._parallel.lengths([span for span, _ in missed.values()], budget, cut=cut)
         except EncodeFailed as exc:
             raise UnencodableText(str(exc)) from exc
         if complete:
             for key, n in zip(missed, counts):
                 self._cache.put(key, n)
-        return total + sum(n * times for n, (_, times) in zip(counts, missed.values()))
+        return CountResult(total + sum(n * times for n, (_, times) in zip(counts, missed.values())), complete)
 
-    def _segments(self, text: str) -> tuple[list[Segment], bool]:
-        """Segments and whether they were split at added tokens (else: the whole text, counted uncut)."""
+    def _plain(self, text: str) -> tuple[_Plain, bool]:
+        """The plain text between added tokens, and whether it was split there (else: the whole text, uncut)."""
         if self._splitter is not None:
             try:
-                return self._splitter.split(text), True
+                return _Plain.of(text, self._splitter.segments(text)), True
             except UnsupportedSplit:
                 pass
-        return [Segment(text, None)], False
+        return _Plain.of(text, [(0, len(text), None)]), False

@@ -1,7 +1,9 @@
 """Count many texts on all cores: GIL-free `encode_batch_fast` calls shared with a small helper pool.
 
 Parallelism is ours rather than `tokenizers`' rayon pool, so a small request counted in its own thread is
-never queued behind the pieces of a long prompt.
+never queued behind the pieces of a long prompt. Texts are spans of a prompt, copied only piece by piece; a
+piece so long that converting it for `tokenizers` and freeing its encoding would hold the GIL for more than a
+few ms (a long stretch without a verified cut) is counted by a `SpanCounter` in another process.
 """
 
 from __future__ import annotations
@@ -10,19 +12,31 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
+from typing import Protocol
 
 import tokenizers
 
+from gateway.admission.gil import Pacer
 from gateway.admission.pretok_cuts import PieceCutter
 
 PIECE_CHARS = 1 << 16  # ~15-40 ms of encoding: fine-grained load balancing and early exits, small overhead
+# Most tokens a piece counted in-process may have: its encoding is freed under the GIL at ~6 ns a token.
+ISOLATE_TOKENS = 1 << 19
 
 # Our own threads do the parallel work; rayon inside each call would only contend with them.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+Span = tuple[str, int, int]  # (text, start, stop): the text to count is text[start:stop]
+
 
 class EncodeFailed(ValueError):
-    """`tokenizers` rejected an input (lone surrogates cannot cross into Rust)."""
+    """`tokenizers` rejected an input (lone surrogates cannot cross into Rust) or failed on it."""
+
+
+class SpanCounter(Protocol):
+    def length(self, text: str, start: int, stop: int) -> int:
+        """Token count of text[start:stop]; raises EncodeFailed."""
 
 
 def encode_lengths(tokenizer: tokenizers.Tokenizer, texts: list[str], add_special_tokens: bool = False) -> list[int]:
@@ -33,6 +47,12 @@ def encode_lengths(tokenizer: tokenizers.Tokenizer, texts: list[str], add_specia
         encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
     except TypeError as exc:
         raise EncodeFailed(str(exc)) from exc
+    except BaseException as exc:
+        # A Rust panic, e.g. Oniguruma's retry limit on ~10M whitespace characters in a row: the engine's own
+        # tokenizer fails on the same text. PanicException derives from BaseException; let others through.
+        if type(exc).__module__ != "pyo3_runtime":
+            raise
+        raise EncodeFailed(f"the tokenizer failed: {exc}") from exc
     return [len(e) for e in encodings]
 
 
@@ -60,26 +80,41 @@ class _Tally:
 
 class ParallelCounter:
     def __init__(
-        self, tokenizer: tokenizers.Tokenizer, cutter: PieceCutter | None, workers: int, piece_chars: int = PIECE_CHARS
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        cutter: PieceCutter | None,
+        workers: int,
+        piece_chars: int = PIECE_CHARS,
+        *,
+        isolated: SpanCounter,
+        isolate_tokens: int = ISOLATE_TOKENS,
     ) -> None:
         self._tok = tokenizer
         self._cutter = cutter
         self._piece_chars = piece_chars
+        self._isolated = isolated
+        self._isolate_tokens = isolate_tokens
         self._helpers = max(0, workers - 1)  # the calling thread is the first worker
         self._pool = ThreadPoolExecutor(max(1, self._helpers), thread_name_prefix="tokpiece")
 
-    def lengths(self, texts: list[str], budget: int | None = None, *, cut: bool = True) -> tuple[list[int], bool]:
-        """Exact count of each text (add_special_tokens=False) and True; or, once their sum provably exceeds
+    def lengths(self, spans: list[Span], budget: int | None = None, *, cut: bool = True) -> tuple[list[int], bool]:
+        """Exact count of each span (add_special_tokens=False) and True; or, once their sum provably exceeds
         `budget`, partial counts (summing to more than `budget`) and False. `cut=False` for texts that may
         hold added tokens: the pre-tokenizer knows nothing of them, so a cut could split one.
 
-        The calling thread drains the batches itself while pool helpers join in, so a request always makes
-        progress even when the helpers are busy with another long prompt.
+        The calling thread counts the isolated pieces, then drains the batches itself while pool helpers join
+        in, so a request always makes progress even when the helpers are busy with another long prompt.
         """
-        queue = deque(self._batches(texts, cut))
-        tally = _Tally(len(texts), budget)
-        helpers = [self._pool.submit(self._drain, queue, tally) for _ in range(min(self._helpers, len(queue) - 1))]
+        batches, isolated = self._plan(spans, cut)
+        queue = deque(batches)
+        tally = _Tally(len(spans), budget)
+        n_helpers = min(self._helpers, len(queue) - (0 if isolated else 1))
+        helpers = [self._pool.submit(self._drain, queue, tally) for _ in range(n_helpers)]
         try:
+            for owner, (text, start, stop) in isolated:
+                if tally.exceeded:
+                    break
+                tally.add([owner], [self._isolated.length(text, start, stop)])
             self._drain(queue, tally)
         finally:
             queue.clear()  # on error, stop the helpers after their current batch
@@ -99,23 +134,32 @@ class ParallelCounter:
                 return
             tally.add(owners, encode_lengths(self._tok, pieces))
 
-    def _batches(self, texts: list[str], cut: bool) -> list[Batch]:
-        """Work items of about piece_chars: long texts cut at verified splits, short ones packed together."""
+    def _plan(self, spans: list[Span], cut: bool) -> tuple[list[Batch], list[tuple[int, Span]]]:
+        """Batches of about piece_chars (long spans cut at verified splits, short ones packed together), and
+        the pieces too long to count in-process, with the index of the span each belongs to."""
         batches: list[Batch] = []
+        isolated: list[tuple[int, Span]] = []
         owners: list[int] = []
         pieces: list[str] = []
         size = 0
-        for i, text in enumerate(texts):
-            parts = [text]
-            if cut and self._cutter is not None and len(text) > 2 * self._piece_chars:
-                parts = self._cutter.cut(text, self._piece_chars)
-            for part in parts:
+        pacer = Pacer()
+        for i, (text, start, stop) in enumerate(spans):
+            bounds = [start, stop]
+            if cut and self._cutter is not None and stop - start > 2 * self._piece_chars:
+                bounds = self._cutter.bounds(text, start, stop, self._piece_chars)
+            # At most one token per UTF-8 byte for byte-level BPE: an estimate for other tokenizers, fine for sizing.
+            tokens_per_char = 1 if text.isascii() else 4
+            for a, b in pairwise(bounds):
+                pacer.step()
+                if (b - a) * tokens_per_char > self._isolate_tokens:
+                    isolated.append((i, (text, a, b)))
+                    continue
                 owners.append(i)
-                pieces.append(part)
-                size += len(part)
+                pieces.append(text[a:b])
+                size += b - a
                 if size >= self._piece_chars:
                     batches.append((owners, pieces))
                     owners, pieces, size = [], [], 0
         if pieces or not batches:
             batches.append((owners, pieces))
-        return batches
+        return batches, isolated

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.admission.chat import MAX_JSON_DEPTH, ChatPrompt, ChatSettings, parse_chat, too_deep
+from gateway.admission.chat import ChatPrompt, ChatSettings, free_form_problem, parse_chat
 from gateway.errors import GatewayError, bad_request
 
 Route = Literal["/generate", "/v1/chat/completions", "/v1/completions"]
@@ -221,8 +221,9 @@ def _check_values(body: dict[str, Any], prefix: str) -> None:
     if top_k is not None and not _is_int(top_k):
         raise bad_request(f"{prefix}top_k must be an integer", param=prefix + "top_k")
     for key, value in body.items():
-        if isinstance(value, (dict, list)) and too_deep(value):
-            raise bad_request(f"{prefix}{key} is nested deeper than {MAX_JSON_DEPTH} levels", param=prefix + key)
+        problem = free_form_problem(value) if isinstance(value, (dict, list)) else None
+        if problem:
+            raise bad_request(f"{prefix}{key} {problem}", param=prefix + key)
 
 
 def _stream(data: dict[str, Any]) -> bool:

@@ -3,35 +3,31 @@
 The tokenizer never merges across an added-token match: it extracts the matches first (leftmost-longest,
 non-normalized tokens before normalized ones, honouring single_word / lstrip / rstrip) and encodes each
 piece between them on its own. Replicating that split lets a prompt be counted, and cached, per piece.
+
+Segments are spans of the prompt, never copies of it, and every scan runs in windows with GIL hand-overs
+between them: one `finditer` over megabytes of text would hold the GIL for its whole run.
 """
 
 from __future__ import annotations
 
 import re
 import string
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
-from gateway.admission.gil import YIELD_CHARS, yield_gil
+from gateway.admission.gil import YIELD_CHARS, finditer_sliced, yield_gil
 from gateway.admission.tokenizer import AddedToken
 
-# Rust regex `\s` (Unicode White_Space); Python's `\s` also matches U+001C..U+001F, which Rust does not.
-_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-_LEADING_SPACE = re.compile(f"[{_WHITE_SPACE}]*")
-_TRAILING_SPACE = re.compile(f"[{_WHITE_SPACE}]*\\Z")
+# Rust `char::is_whitespace` (Unicode White_Space); Python's `\s` also matches U+001C..U+001F, which Rust does not.
+_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+_NON_SPACE = re.compile(f"[^{re.escape(_WHITE_SPACE)}]")
 _NON_WORD = frozenset(string.whitespace + string.punctuation.replace("_", ""))
+
+# (start, stop, token id): an added token, or plain text between tokens when the id is None.
+Segment = tuple[int, int, int | None]
 
 
 class UnsupportedSplit(Exception):
     """The text hits an added-token corner where per-segment encoding would differ; count it in one pass."""
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """A piece of the text: either one added token (`token_id` set) or plain text between them."""
-
-    text: str
-    token_id: int | None
 
 
 def _clearly_not_word(c: str) -> bool:
@@ -43,44 +39,40 @@ class AddedTokenSplitter:
     """Splits text into plain segments and added-token segments."""
 
     def __init__(self, added: Iterable[AddedToken]) -> None:
-        tokens = list(added)
+        tokens = [t for t in added if t.content]
         self._by_content = {t.content: t for t in tokens}
+        self._longest = max((len(t.content) for t in tokens), default=1)
         # Non-normalized tokens are extracted first; normalized ones then from the remaining pieces
         # (valid only without a normalizer, which ModelTokenizer.segmentable guarantees).
-        raw = self._pattern([t for t in tokens if not t.normalized])
-        passes = (raw, self._pattern([t for t in tokens if t.normalized]))
+        passes = (_pattern([t for t in tokens if not t.normalized]), _pattern([t for t in tokens if t.normalized]))
         self._passes = [p for p in passes if p is not None]
 
-    @staticmethod
-    def _pattern(tokens: list[AddedToken]) -> re.Pattern[str] | None:
-        contents = sorted({t.content for t in tokens if t.content}, key=len, reverse=True)
-        # Longest alternative first: at the leftmost match position Python's `re` then picks the longest,
-        # which is aho-corasick's LeftmostLongest.
-        return re.compile("|".join(map(re.escape, contents))) if contents else None
+    def segments(self, text: str) -> Iterator[Segment]:
+        """The text's added tokens and the non-empty plain spans between them, in order.
 
-    def split(self, text: str) -> list[Segment]:
-        segments = [Segment(text, None)]
-        for pattern in self._passes:
-            segments = [
-                part
-                for seg in segments
-                for part in (self._split_one(seg.text, pattern) if seg.token_id is None else (seg,))
-            ]
-        return [s for s in segments if s.text or s.token_id is not None]
+        Raises UnsupportedSplit (possibly after yielding some segments) where per-piece counting could differ.
+        """
+        return self._split(text, 0, len(text), 0)
 
-    def _split_one(self, text: str, pattern: re.Pattern[str]) -> list[Segment]:
-        out: list[Segment] = []
-        start_offset = 0
-        next_yield = YIELD_CHARS
-        for m in pattern.finditer(text):
-            if m.start() > next_yield:
-                yield_gil()
-                next_yield = m.start() + YIELD_CHARS
+    def _split(self, text: str, lo: int, hi: int, level: int) -> Iterator[Segment]:
+        if level == len(self._passes):
+            yield (lo, hi, None)
+            return
+        for start, stop, token_id in self._scan(text, lo, hi, self._passes[level]):
+            if token_id is None:
+                yield from self._split(text, start, stop, level + 1)
+            else:
+                yield (start, stop, token_id)
+
+    def _scan(self, text: str, lo: int, hi: int, pattern: re.Pattern[str]) -> Iterator[Segment]:
+        """The split of the piece text[lo:hi] at `pattern`'s tokens."""
+        start_offset = lo
+        for m in finditer_sliced(pattern, text, lo, hi, self._longest):
             token = self._by_content[m.group()]
-            start, stop = m.start(), m.end()
+            start, stop = m.span()
             if token.single_word:
-                before_ok = start == 0 or _clearly_not_word(text[start - 1])
-                after_ok = stop == len(text) or _clearly_not_word(text[stop])
+                before_ok = start == lo or _clearly_not_word(text[start - 1])
+                after_ok = stop == hi or _clearly_not_word(text[stop])
                 if not (before_ok and after_ok):
                     # Rejected, the token would stay in a plain segment and match when that is encoded alone.
                     raise UnsupportedSplit
@@ -89,13 +81,61 @@ class AddedTokenSplitter:
                     raise UnsupportedSplit  # the previous token's rstrip swallowed the start of this match
                 start = start_offset
             elif token.lstrip:
-                start = _TRAILING_SPACE.search(text, start_offset, start).start()
+                start = _space_run_start(text, start_offset, start)
             if token.rstrip:
-                stop = _LEADING_SPACE.match(text, stop).end()
+                stop = _space_run_end(text, stop, hi)
             if start > start_offset:
-                out.append(Segment(text[start_offset:start], None))
-            out.append(Segment(text[start:stop], token.id))
+                yield (start_offset, start, None)
+            yield (start, stop, token.id)
             start_offset = stop
-        if start_offset < len(text):
-            out.append(Segment(text[start_offset:], None))
-        return out
+        if start_offset < hi:
+            yield (start_offset, hi, None)
+
+
+def _pattern(tokens: list[AddedToken]) -> re.Pattern[str] | None:
+    return re.compile(_trie_regex(sorted({t.content for t in tokens}))) if tokens else None
+
+
+def _trie_regex(words: list[str]) -> str:
+    """A regex matching any of `words`, shared prefixes factored out (one test per character, not per word).
+
+    Where a word is a prefix of another, the longer branch is tried first and the shorter is the fallback, so
+    at the leftmost matching position the longest word wins: aho-corasick's LeftmostLongest, as tokenizers uses.
+    """
+    trie: dict[str, dict] = {}
+    for word in words:
+        node = trie
+        for c in word:
+            node = node.setdefault(c, {})
+        node[""] = {}  # a word ends here
+
+    def branch(node: dict[str, dict]) -> str:
+        alternatives = [re.escape(c) + branch(child) for c, child in node.items() if c]
+        if not alternatives:
+            return ""
+        body = alternatives[0] if len(alternatives) == 1 else f"(?:{'|'.join(alternatives)})"
+        return f"(?:{body})?" if "" in node else body
+
+    return branch(trie)
+
+
+def _space_run_start(text: str, lo: int, hi: int) -> int:
+    """Start of the whitespace run ending at `hi`, not before `lo`: linear, sliced, from the end backwards."""
+    while hi > lo:
+        chunk_start = max(lo, hi - YIELD_CHARS)
+        if kept := len(text[chunk_start:hi].rstrip(_WHITE_SPACE)):
+            return chunk_start + kept
+        hi = chunk_start
+        yield_gil()
+    return lo
+
+
+def _space_run_end(text: str, lo: int, hi: int) -> int:
+    """End of the whitespace run starting at `lo`, not after `hi`."""
+    while lo < hi:
+        end = min(lo + YIELD_CHARS, hi)
+        if m := _NON_SPACE.search(text, lo, end):
+            return m.start()
+        lo = end
+        yield_gil()
+    return hi

@@ -51,11 +51,11 @@ def _segmenting_holds(mt: ModelTokenizer) -> bool:
     plain: list[list[str]] = []
     for probe, n in zip(probes, encode_lengths(mt.tokenizer, probes)):
         try:
-            segments = splitter.split(probe)
+            segments = list(splitter.segments(probe))
         except UnsupportedSplit:
             continue  # counted in one pass at run time as well
         expected.append(n)
-        texts = [s.text for s in segments if s.token_id is None]
+        texts = [probe[start:stop] for start, stop, token_id in segments if token_id is None]
         tokens.append(len(segments) - len(texts))
         plain.append(texts)
     counts = iter(encode_lengths(mt.tokenizer, [t for texts in plain for t in texts]))

@@ -39,6 +39,7 @@ class ModelTokenizer:
     """A loaded tokenizer plus what admission may assume about it."""
 
     identity: str
+    source: bytes  # the tokenizer.json it was built from, for a helper process to build the same tokenizer
     tokenizer: tokenizers.Tokenizer
     added_tokens: tuple[AddedToken, ...]
     tokens_le_bytes: bool
@@ -49,6 +50,7 @@ class ModelTokenizer:
 
     def __init__(self, raw_json: bytes) -> None:
         self.identity = hashlib.sha256(raw_json).hexdigest()
+        self.source = raw_json
         tok = self.tokenizer = tokenizers.Tokenizer.from_str(raw_json.decode("utf-8"))
         # Count what the engine sees: a truncating or padding tokenizer.json would under/over-count.
         tok.no_truncation()
