@@ -14,7 +14,7 @@
     CLIENT GONE ─ the request keeps running until prefill has answered and decode has produced its first token
                   (no KV transfer is cut mid-way), then decode is closed and sent /abort_request.
 
-The exchange runs in tasks of its own, never in the client's handler, so a disconnect cannot cancel it; `InFlight`
+The exchange runs in tasks of its own, never in the client's handler, so a disconnect cannot cancel it; `ExchangeRegistry`
 keeps it alive until both halves are closed and every abort has been sent.
 """
 
@@ -109,17 +109,17 @@ class RoomAllocator:
         self._in_use.discard(room)
 
 
-class InFlight:
+class ExchangeRegistry:
     """Owns every running exchange, so none is garbage-collected or forgotten at shutdown."""
 
     def __init__(self) -> None:
-        self.exchanges: set[PDExchange] = set()
+        self.running: set[PDExchange] = set()
 
     async def drain(self, timeout_s: float) -> None:
-        waiting = [exchange.closed for exchange in self.exchanges]
+        waiting = [exchange.closed for exchange in self.running]
         if waiting:
             await asyncio.wait(waiting, timeout=timeout_s)
-        for exchange in list(self.exchanges):
+        for exchange in list(self.running):
             exchange.fail(GatewayError(503, "gateway is shutting down", code="shutting_down"))
 
 
@@ -149,7 +149,7 @@ class PDExchange:
     of the exchange and every cancellation goes through `_cancel`, which keeps the order above."""
 
     def __init__(self, engines: Engines, pair: WorkerPair, admitted: AdmittedRequest, *, timeouts: TimeoutsConfig,
-                 release: Release, in_flight: InFlight, rooms: RoomAllocator,
+                 release: Release, registry: ExchangeRegistry, rooms: RoomAllocator,
                  on_closed: Callable[[PDExchange], None] | None = None) -> None:
         self.engines = engines
         self.pair = pair
@@ -177,7 +177,7 @@ class PDExchange:
         self._decode_finished = False
         self._done = False
         self._rooms = rooms
-        self._in_flight = in_flight
+        self._registry = registry
         self._on_closed = on_closed
         self._loads = ExitStack()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -191,7 +191,7 @@ class PDExchange:
         prefill_body, decode_body = self._engine_bodies()
         self._loads.enter_context(self.pair.prefill.load())
         self._loads.enter_context(self.pair.decode.load())
-        self._in_flight.exchanges.add(self)
+        self._registry.running.add(self)
         self._prefill_task = self._spawn(self._run_prefill(prefill_body))
         self._decode_task = self._spawn(self._run_decode(decode_body))
         loop, timeouts = asyncio.get_running_loop(), self.timeouts
@@ -231,7 +231,7 @@ class PDExchange:
             self._watchdog.stop()
         self._loads.close()
         self._rooms.release(self.room)
-        self._in_flight.exchanges.discard(self)
+        self._registry.running.discard(self)
         self.closed.set_result(None)
         if self._on_closed is not None:
             self._on_closed(self)

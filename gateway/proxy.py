@@ -12,7 +12,7 @@ import hashlib
 import re
 from typing import TYPE_CHECKING
 
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.admission.requests import Route, UsageOptions
 from gateway.assemble import assembler_for
@@ -83,6 +83,21 @@ class GenerateEndpoint:
         self.gateway = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        status = 0
+
+        async def observed(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, observed)
+        finally:
+            # 499: the client left before any answer (nginx's convention).
+            self.gateway.metrics.requests.labels(self.route, str(status or 499)).inc()
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
             await send_error(send, GatewayError(405, f"{self.route} accepts POST only"))
             return

@@ -15,7 +15,7 @@ from gateway.admission.requests import Route
 from gateway.body import RequestBody
 from gateway.config import GatewayConfig, ModelConfig
 from gateway.errors import GatewayError
-from gateway.lifecycle import InFlight, PDExchange, RoomAllocator
+from gateway.lifecycle import ExchangeRegistry, PDExchange, RoomAllocator
 from gateway.telemetry.metrics import GatewayMetrics
 from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
@@ -83,7 +83,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.models: dict[str, ServedModel] = {}
-        self.in_flight = InFlight()
+        self.exchanges = ExchangeRegistry()
         self.rooms = RoomAllocator()
         self.metrics = GatewayMetrics()
         self.engines: EngineClient | None = None
@@ -116,7 +116,7 @@ class Gateway:
     async def stop(self) -> None:
         if self.monitor is not None:
             await self.monitor.stop()
-        await self.in_flight.drain(timeout_s=5.0)
+        await self.exchanges.drain(timeout_s=5.0)
         if self.engines is not None:
             await self.engines.close()
         if self.admission_workers is not None:
@@ -141,7 +141,7 @@ class Gateway:
     def dispatch(self, model: ServedModel, pair: WorkerPair, admitted: AdmittedRequest) -> PDExchange:
         assert self.engines is not None
         exchange = PDExchange(self.engines, pair, admitted, timeouts=self.config.timeouts,
-                              release=model.config.release, in_flight=self.in_flight, rooms=self.rooms,
+                              release=model.config.release, registry=self.exchanges, rooms=self.rooms,
                               on_closed=self._exchange_closed)
         exchange.start()
         return exchange

@@ -4,10 +4,17 @@ Builds a realistic ~1,000,000-token multi-turn chat (English prose, code, CJK, t
 the GLM-5 chat template, and measures: a cold count (empty cache), a warm count of the same conversation plus
 one new ~2,000-token message, event-loop lag while small concurrent requests are counted, and equality of
 every count with single-pass `Tokenizer.encode`. The last four lines are the machine-readable results.
+
+`python -m loadtests.count_bench --lag [MB]` instead measures the event loop's lag (a 1 ms heartbeat) while
+adversarial texts of MB million characters (default 64) are counted, one at a time and several at once:
+runs of one character, whitespace, added tokens and their prefixes, punctuation, CJK without punctuation, and
+all of these mixed. `--check` also compares each count with single-pass `encode_batch_fast` (needs time and,
+for 64 MB, tens of GB).
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import asyncio
 import json
@@ -20,12 +27,13 @@ from typing import Any
 
 import jinja2
 
-from gateway.admission.counting import TokenCounter
+from gateway.admission.counting import TokenCounter, UnencodableText
 from gateway.admission.tokenizer import ModelTokenizer
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "config" / "models" / "glm-5"
 TARGET_TOKENS = 1_000_000
 NEW_MESSAGE_TOKENS = 2_000
+IDLE_S = 20.0  # heartbeat alone before the adversarial scenario: the machine's own lag
 SMALL_RPS = 100  # small prompts (50-1,500 tokens) arriving per second while the long one is counted
 CJK_SENTENCES = (
     "这个函数在处理长上下文时会把整个提示词重新编码一遍，所以延迟随着对话长度线性增长。",
@@ -273,5 +281,94 @@ async def main() -> None:
     print(f"exact={'yes' if exact else 'no'}")
 
 
+def adversarial_texts(chars: int) -> dict[str, str]:
+    """Texts of about `chars` characters built to make counting hold the GIL."""
+    ideographs = "".join(chr(0x4E00 + i * 7919 % 20_000) for i in range(4096))  # CJK, no punctuation
+    texts = {
+        "one_char": "a" * chars,
+        "token_start_char": "<" * chars,  # every position starts an added token's prefix
+        "spaces": " " * chars,  # beyond ~10M in a row the tokenizer itself fails (Oniguruma retry limit)
+        "newlines": "\n" * chars,
+        "1M_space_messages": ("x" + " " * 2**20 + "y\n") * max(1, chars >> 20),
+        "added_token": "<|user|>" * (chars // 8),
+        "token_prefixes": "<|" * (chars // 2),
+        "punctuation": "!" * chars,
+        "punctuation_mix": ".,;:!?" * (chars // 6),
+        "cjk_no_punct": (ideographs * (chars // len(ideographs) + 1))[:chars],
+    }
+    texts["mixed"] = "".join(text[: chars // len(texts)] for text in texts.values())
+    return texts
+
+
+async def lag_while_counting(counter: TokenCounter, texts: list[str]) -> tuple[list[int | str], float, list[float]]:
+    """Counts (or why a text is unencodable), wall s and heartbeat lags while `texts` are counted at once."""
+    probe = LagProbe()
+    task = asyncio.create_task(probe.run())
+    await asyncio.sleep(0.05)
+    t = time.perf_counter()
+    results = await asyncio.gather(
+        *(counter.count(text, tenant=f"adv-{i}") for i, text in enumerate(texts)), return_exceptions=True
+    )
+    wall = time.perf_counter() - t
+    probe.stop()
+    await task
+    out: list[int | str] = []
+    for r in results:
+        if isinstance(r, UnencodableText):
+            out.append(f"unencodable ({str(r)[:60]})")
+        elif isinstance(r, BaseException):
+            raise r
+        else:
+            out.append(r)
+    return out, wall, probe.samples
+
+
+def lag_line(name: str, chars: int, results: list[int | str], wall: float, lags: list[float]) -> str:
+    counted = ", ".join(f"{r:,} tokens" if isinstance(r, int) else r for r in results)
+    lag = f"lag p99 {p99(lags):.2f} ms, max {max(lags):.2f} ms"
+    return f"{name}: {chars / 1e6:.1f}M chars, {counted} in {wall:.1f}s; {lag}"
+
+
+async def adversarial(million_chars: float, check: bool) -> None:
+    mt = ModelTokenizer.load(MODEL_DIR / "tokenizer.json.gz")
+    chars = int(million_chars * 1e6)
+    texts = adversarial_texts(chars)
+    print(f"adversarial texts of {chars:,} characters, counted with a 1 ms heartbeat on the event loop")
+    probe = LagProbe()
+    task = asyncio.create_task(probe.run())
+    await asyncio.sleep(IDLE_S)
+    probe.stop()
+    await task
+    print(f"idle, nothing counted, {IDLE_S:.0f}s (this machine's own noise): lag p99 {p99(probe.samples):.2f} ms, "
+          f"max {max(probe.samples):.2f} ms")
+    counter = TokenCounter(mt)
+    # The first text too long to count in-process starts the helper process (~1 s, once per process).
+    results, wall, lags = await lag_while_counting(counter, ["a" * 2**22])
+    print(lag_line("helper process start (4M chars)", 2**22, results, wall, lags))
+    all_lags: list[float] = []
+    mismatches = 0
+    for name, text in texts.items():
+        results, wall, lags = await lag_while_counting(counter, [text])
+        all_lags += lags
+        print(lag_line(name, len(text), results, wall, lags), flush=True)
+        if check:
+            ref = await asyncio.to_thread(lambda: len(mt.tokenizer.encode_batch_fast([text])[0]))
+            mismatches += results[0] != ref
+    several = [texts[k][: chars // 4] for k in ("one_char", "added_token", "cjk_no_punct", "mixed")]
+    results, wall, lags = await lag_while_counting(counter, several)
+    all_lags += lags
+    name = "4 at once (one_char, added_token, cjk_no_punct, mixed)"
+    print(lag_line(name, sum(map(len, several)), results, wall, lags))
+    counter.close()
+    if check:
+        print(f"adversarial_mismatches={mismatches}")
+    print(f"adversarial_lag_p99_ms={p99(all_lags):.2f}")
+    print(f"adversarial_lag_max_ms={max(all_lags):.2f}")
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lag", type=float, nargs="?", const=64.0, metavar="MB", help="adversarial lag scenario")
+    parser.add_argument("--check", action="store_true", help="with --lag: compare counts with single-pass encode")
+    args = parser.parse_args()
+    asyncio.run(main() if args.lag is None else adversarial(args.lag, args.check))

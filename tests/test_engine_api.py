@@ -181,8 +181,9 @@ def test_chat_stream_deltas_and_usage_chunk(pair: EnginePair) -> None:
     assert ps == ds == 200
     events = sse_events(db)
     assert all(e["object"] == "chat.completion.chunk" for e in events)
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    content = [e for e in events if e["choices"] and "content" in e["choices"][0]["delta"]][1:]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "reasoning_content": None,
+                                                "tool_calls": None}
+    content = [e for e in events[1:] if e["choices"] and e["choices"][0]["delta"]["content"] is not None]
     assert len(content) == 8
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8

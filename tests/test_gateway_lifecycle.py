@@ -21,7 +21,8 @@ PREFILL_TOKENS_PER_S = 2000  # a 2,000-token prompt takes ~1 s of prefill
 @pytest.fixture(scope="module")
 def pair() -> Iterator[EnginePair]:
     with start_pair(prefill_pool=50000, decode_pool=50000, context_length=16384, model="glm-5", version="0.5.23",
-                    prefill_tokens_per_s=PREFILL_TOKENS_PER_S, token_delay_ms=20) as engines:
+                    prefill_tokens_per_s=PREFILL_TOKENS_PER_S, token_delay_ms=20,
+                    disconnect_poll_s=0.5) as engines:
         yield engines
 
 
@@ -73,8 +74,8 @@ def test_disconnect_during_slow_prefill_holds_prefill_to_its_end_and_decode_to_f
     assert prefill_record["connection_closed"] is None or prefill_record["connection_closed"] >= prefill_record["end"]
     assert decode_record["outcome"] == "aborted"
     assert decode_record["end"] - decode_record["arrival"] < 200 * 0.02
-    wait_for(lambda: not gateway.gateway.in_flight.exchanges, timeout_s=5)
-    assert not gateway.gateway.in_flight.exchanges
+    wait_for(lambda: not gateway.gateway.exchanges.running, timeout_s=5)
+    assert not gateway.gateway.exchanges.running
 
 
 def test_prefill_500_aborts_decode_within_a_second_and_client_gets_502(

@@ -14,12 +14,14 @@ from typing import Any
 
 import orjson
 
-from .engine import Engine, Gen, HTTPError
+from .engine import Engine, Gen
+from .errors import HTTPError
 from .faults import Fault
-from .formats import CHAT, COMPLETION, NATIVE, Format, PromptSpec
+from .formats import BAD_REQUEST, Format, NativeFormat, PromptSpec, StreamState, openai_error, sse
 from .httpcore import Request
+from .openai_formats import ChatFormat, CompletionFormat
 from .reqlog import ABORTED, CLIENT_DISCONNECTED, ERROR, FINISHED, ReqRecord
-from .tokenizer import StreamDetokenizer, TokenizeError
+from .tokenizer import StreamDetokenizer
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -29,28 +31,37 @@ class GenerationAPI:
         self.engine = engine
         self.cfg = engine.cfg
         self._pieces: dict[int, str] = {}
+        dialect = engine.cfg.dialect
+        self._native = NativeFormat()
+        self._chat = ChatFormat(dialect, engine.cfg.context_length, engine.tok.content_format)
+        self._completion = CompletionFormat(dialect)
 
     async def generate(self, req: Request) -> None:
-        await self._handle(req, NATIVE)
+        await self._handle(req, self._native)
 
     async def chat(self, req: Request) -> None:
-        await self._handle(req, CHAT)
+        await self._handle(req, self._chat)
 
     async def completions(self, req: Request) -> None:
-        await self._handle(req, COMPLETION)
+        await self._handle(req, self._completion)
 
     # request flow
     async def _handle(self, req: Request, fmt: Format) -> None:
         eng = self.engine
         try:
-            if fmt is not NATIVE and "application/json" not in req.headers.get("content-type", ""):
+            # validate_json_request: the media type must be exactly application/json on the OpenAI routes
+            if fmt is not self._native and req.headers.get("content-type", "").lower().split(";", 1)[0] \
+                    != "application/json":
                 raise ValueError("Unsupported Media Type: Only 'application/json' is allowed")
             body = orjson.loads(req.body)
             if not isinstance(body, dict):
                 raise ValueError("request body must be a JSON object")
             spec = fmt.parse(body)
+        except HTTPError as e:
+            req.respond(e.status, fmt.error_body(e.status, e.message, e.err_type))
+            return
         except (ValueError, TypeError) as e:  # orjson.JSONDecodeError is a ValueError
-            req.respond(400, fmt.error_body(400, str(e), validation=True))
+            req.respond(400, fmt.error_body(400, str(e), BAD_REQUEST))
             return
         rid = body.get("rid")
         rec = ReqRecord(rid if isinstance(rid, str) and rid else os.urandom(16).hex(), self.cfg.role, req.path,
@@ -60,21 +71,25 @@ class GenerationAPI:
         eng.log.add(rec)
         fault = eng.faults.take("generation", req.path, rec.rid)
         extra_first_delay = 0.0
+        prompt_offset = 0
         if fault is not None:
             rec.fault = fault.action
             if fault.action == "slow_first_token":
                 extra_first_delay = fault.delay_ms / 1000
+            elif fault.action == "miscount":
+                prompt_offset = fault.offset
             elif fault.action != "drop" or not spec.stream or fault.after_chunks <= 0:
-                await self._apply_fault(req, fmt, rec, fault)
+                await self._apply_fault(req, fmt, rec, fault, spec.stream)
                 return
         try:
             ids = await fmt.tokenize(eng.tok, spec)
-        except TokenizeError as e:
-            rec.finish(ERROR, 400, str(e))
-            req.respond(400, fmt.error_body(400, str(e)))
+        except HTTPError as e:
+            rec.finish(ERROR, e.status, e.message)
+            req.respond(e.status, fmt.error_body(e.status, e.message, e.err_type))
             return
         rec.prompt_tokens = len(ids)
         gen = Gen(rec, ids, spec.max_new, fmt.default_max_new, host, port, room if isinstance(room, int) else None)
+        gen.prompt_offset = prompt_offset
         gen.task = asyncio.current_task()  # type: ignore[assignment]
         eng.metrics.num_requests.inc()
         if spec.stream:
@@ -145,7 +160,7 @@ class GenerationAPI:
             eng.admit(gen)
             await eng.run(gen)
             detok = StreamDetokenizer(eng.tok, self._pieces)
-            state = fmt.stream_state(gen, spec, cfg)
+            state = StreamState(gen, spec)
             batch: list[bytes] = fmt.stream_head(state)
             first_delay = (cfg.first_token_delay_ms / 1000 if cfg.role == "decode" else 0.0) + extra_first_delay
             token_delay = cfg.token_delay_ms / 1000 if cfg.role == "decode" else 0.0
@@ -179,7 +194,7 @@ class GenerationAPI:
                 rec.finish(CLIENT_DISCONNECTED, None)
             else:
                 rec.finish(ABORTED, 200)
-                state = fmt.stream_state(gen, spec, cfg)
+                state = StreamState(gen, spec)
                 if req.send_chunk(fmt.stream_token(state, -1, "", _ABORT_FINISH) + _DONE):
                     req.end_stream()
         finally:
@@ -226,12 +241,22 @@ class GenerationAPI:
         m.e2e.observe(now - arrival)
         self.engine.note_generated(len(gen.output))
 
-    async def _apply_fault(self, req: Request, fmt: Format, rec: ReqRecord, fault: Fault) -> None:
+    async def _apply_fault(self, req: Request, fmt: Format, rec: ReqRecord, fault: Fault, stream: bool) -> None:
         if fault.delay_ms > 0 and fault.action != "hang":
             await asyncio.sleep(fault.delay_ms / 1000)
         if fault.action == "fail":
             rec.finish(ERROR, fault.status, fault.message)
             req.respond(fault.status, fmt.error_body(fault.status, fault.message))
+        elif fault.action == "error_body":  # SGLang's OpenAI error object under any status, or as a stream event
+            error = openai_error(fault.code, fault.message, fault.error_type)
+            if stream:
+                rec.finish(ERROR, 200, fault.message)
+                req.start_stream()
+                if req.send_chunk(sse(error) + _DONE):
+                    req.end_stream()
+            else:
+                rec.finish(ERROR, fault.status, fault.message)
+                req.respond(fault.status, orjson.dumps(error))
         elif fault.action == "drop":
             rec.finish(ERROR, None, "connection dropped by fault")
             req.conn.abort()

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from .config import EngineConfig
+from .dialect import dialect_of
 
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
@@ -32,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="prefill compute speed; 0 = instant")
     p.add_argument("--first-token-delay-ms", type=float, default=0.0, help="decode: extra delay before token 1")
     p.add_argument("--token-delay-ms", type=float, default=0.0, help="decode: delay between output tokens")
-    p.add_argument("--version", default="0.5.8", help="reported SGLang version")
+    p.add_argument("--version", default="0.5.8",
+                   help="reported SGLang version; request handling follows 0.5.8 (< 0.5.22), 0.5.22 or 0.5.23 (>=)")
     p.add_argument("--bootstrap-timeout-s", type=float, default=300.0,
                    help="SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT: prefill waits this long for the decode")
     p.add_argument("--waiting-timeout-s", type=float, default=300.0,
@@ -48,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     a = p.parse_args(argv)
     if a.pool_tokens < a.page_size or a.context_length < 8:
         p.error("--pool-tokens must hold at least one page and --context-length must be >= 8")
+    try:
+        dialect_of(a.version)
+    except ValueError as e:
+        p.error(str(e))
     return EngineConfig(
         role=a.role, host=a.host, port=a.port, bootstrap_port=a.bootstrap_port, model=a.model,
         pool_tokens=a.pool_tokens, context_length=a.context_length, page_size=a.page_size, tokenizer=a.tokenizer,
@@ -64,7 +70,7 @@ async def serve(cfg: EngineConfig) -> None:
     from .engine import Engine
     from .tokenizer import PromptTokenizer
 
-    engine = Engine(cfg, PromptTokenizer(cfg.tokenizer, cfg.chat_template))
+    engine = Engine(cfg, PromptTokenizer(cfg.tokenizer, cfg.chat_template, cfg.dialect))
     servers = [main_server(engine)]
     await servers[0].start(cfg.host, cfg.port)
     if cfg.role == "prefill":
@@ -79,6 +85,7 @@ async def serve(cfg: EngineConfig) -> None:
     await stop.wait()
     engine.links.close()
     engine.rooms.close_channels()
+    engine.tok.chat.close()
     for s in servers:
         await s.close()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dialect import Dialect, dialect_of
+
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's FAKE transfer backend: health checks and warmup skip the KV handoff
 
 
@@ -31,6 +33,10 @@ class EngineConfig:
     stream_abort_delay_s: float
     health_delay_s: float
     request_log_size: int
+
+    @property
+    def dialect(self) -> Dialect:
+        return dialect_of(self.version)
 
     @property
     def max_total_num_tokens(self) -> int:

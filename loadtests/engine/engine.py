@@ -12,6 +12,7 @@ import asyncio
 import time
 
 from .config import FAKE_BOOTSTRAP_HOST, EngineConfig
+from .errors import HTTPError
 from .faults import FaultSet
 from .kvlink import Claim, DecodeLinks, RoomRegistry, RoomRejected, TransferFailed
 from .kvpool import KVPool
@@ -19,15 +20,6 @@ from .metrics import Metrics
 from .model import first_token, generate
 from .reqlog import ABORTED, ReqRecord, RequestLog
 from .tokenizer import PromptTokenizer
-
-
-class HTTPError(Exception):
-    """An SGLang error answer: `status` and the message SGLang would put in the body."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class Aborted(Exception):
@@ -39,7 +31,7 @@ class Gen:
 
     __slots__ = ("rec", "rid", "input_ids", "kv_ids", "max_new", "max_new_given", "room", "host", "port",
                  "to_finish", "pages", "kv_tokens", "positions", "first", "output", "task", "abort_reason",
-                 "queue")
+                 "queue", "prompt_offset")
 
     def __init__(self, rec: ReqRecord, input_ids: list[int], max_new: int | None, default_max_new: int,
                  host: str | None, port: int | None, room: int | None) -> None:
@@ -61,6 +53,7 @@ class Gen:
         self.task: asyncio.Task[None] | None = None
         self.abort_reason: str | None = None
         self.queue = ""  # which PD queue it sits in, for the queue gauges
+        self.prompt_offset = 0  # a `miscount` fault: reported prompt_tokens are off by this much
 
 
 class Engine:

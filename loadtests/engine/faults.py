@@ -16,9 +16,12 @@ ACTIONS = {
     "drop": "generation",  # close the connection after `after_chunks` stream chunks (non-stream: before answering)
     "hang": "generation",  # never answer (until the client goes away)
     "slow_first_token": "generation",  # add `delay_ms` before the first token
+    "miscount": "generation",  # run normally but report prompt_tokens off by `offset`
+    "error_body": "generation",  # SGLang's OpenAI error object under `status` (in a stream: an event, HTTP 200)
     "health": "health",  # /health and /health_generate answer `status` (default 503)
     "refuse_bootstrap": "bootstrap",  # the prefill's bootstrap server refuses KV handshakes
 }
+_DEFAULT_STATUS = {"health": 503, "error_body": 200}
 _ids = itertools.count(1)
 
 
@@ -36,6 +39,8 @@ class Fault:
     rid_prefix: str | None = None
     count: int | None = None
     message: str = "Injected fault"
+    offset: int = 0
+    code: int = 500
     id: int = field(default_factory=lambda: next(_ids))
     hits: int = 0
 
@@ -43,14 +48,22 @@ class Fault:
     def from_json(cls, d: dict[str, Any]) -> "Fault":
         if not isinstance(d, dict) or d.get("action") not in ACTIONS:
             raise FaultError(f"fault needs 'action' in {sorted(ACTIONS)}")
-        known = {"action", "status", "delay_ms", "after_chunks", "path", "rid_prefix", "count", "message"}
+        known = {"action", "status", "delay_ms", "after_chunks", "path", "rid_prefix", "count", "message", "offset",
+                 "code"}
         unknown = set(d) - known
         if unknown:
             raise FaultError(f"unknown fault fields: {sorted(unknown)}")
         f = cls(**d)
-        if f.action == "health" and "status" not in d:
-            f.status = 503
+        if any(not isinstance(v, int) or isinstance(v, bool) for v in (f.offset, f.code, f.status)):
+            raise FaultError("'offset', 'code' and 'status' must be integers")
+        if "status" not in d:
+            f.status = _DEFAULT_STATUS.get(f.action, f.status)
         return f
+
+    @property
+    def error_type(self) -> str:
+        """The OpenAI error `type` SGLang pairs with `code`."""
+        return {400: "BadRequestError", 500: "InternalServerError"}.get(self.code, str(self.code))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,8 +1,8 @@
 """Prompt token counting the way SGLang's TokenizerManager does it.
 
-`transformers.AutoTokenizer` loaded offline from the model's files; chat rendered with `apply_chat_template`
-(add_generation_prompt=True) and encoded without special tokens, `/generate` text and completion prompts encoded
-with them, `input_ids` taken as given. Nothing here is shared with the gateway: its parity test compares against us.
+`transformers.AutoTokenizer` loaded offline from the model's files: `/generate` text and completion prompts encoded
+with special tokens, `input_ids` taken as given, chat requests through `chat_template.ChatTemplate`. Nothing here is
+shared with the gateway: its parity test compares against us.
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-import orjson
+from .chat_prompt import ChatPrompt
+from .chat_template import ChatTemplate, detect_content_format
+from .dialect import Dialect
+from .errors import HTTPError
 
 _CACHE_MAX_ENTRIES = 4096
 _CACHE_MAX_CHARS = 32_768  # only small prompts are cached; big ones are rare and costly to keep
 _THREAD_MIN_CHARS = 16_384  # above this, encode off the event loop (encode_batch_fast releases the GIL)
-
-
-class TokenizeError(ValueError):
-    """The prompt cannot be tokenized (e.g. lone surrogates); SGLang answers 400."""
 
 
 def prepare_tokenizer_dir(tokenizer: str, chat_template: str | None) -> Path:
@@ -63,8 +62,15 @@ def prepare_tokenizer_dir(tokenizer: str, chat_template: str | None) -> Path:
     return out
 
 
+def _explicit_template(path: str) -> tuple[str, str]:
+    """sglang template_manager: TemplateManager._load_jinja_template. Returns (text to detect the content format
+    on, template to render with): outer newlines stripped, then each literal backslash-n made a newline."""
+    text = Path(path).read_text().strip("\n")
+    return text, text.replace("\\n", "\n")
+
+
 class PromptTokenizer:
-    def __init__(self, tokenizer: str, chat_template: str | None) -> None:
+    def __init__(self, tokenizer: str, chat_template: str | None, dialect: Dialect) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers import AutoTokenizer  # slow import, done once per process
@@ -74,26 +80,33 @@ class PromptTokenizer:
         self.backend = self.hf.backend_tokenizer
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
         self._cache: OrderedDict[Any, list[int]] = OrderedDict()
+        if chat_template is not None:
+            detect_on, self.hf.chat_template = _explicit_template(chat_template)
+        else:
+            if isinstance(self.hf.chat_template, dict):  # named templates: SGLang takes the first
+                self.hf.chat_template = next(iter(self.hf.chat_template.values()))
+            detect_on = self.hf.chat_template
+        self.content_format = detect_content_format(detect_on) if isinstance(detect_on, str) else "string"
+        self.chat = ChatTemplate(self.hf, self.path, dialect)
 
     # counting
     async def encode_text(self, text: str) -> list[int]:
         """`tokenizer(text).input_ids`, as SGLang does for /generate text and completion prompts."""
         return await self._encode(("t", text), text, True)
 
-    async def encode_chat(self, messages: list[Any], tools: list[Any] | None,
-                          template_kwargs: dict[str, Any] | None) -> list[int]:
-        """`apply_chat_template(..., tokenize=True, add_generation_prompt=True)` split into render + encode."""
-        key = ("c", orjson.dumps([messages, tools, template_kwargs]))
+    async def encode_chat(self, prompt: ChatPrompt) -> list[int]:
+        """The ids SGLang's chat handler hands the engine (cached by what reaches the template)."""
+        if prompt.input_ids is not None:
+            return prompt.input_ids
+        key = ("c", prompt.cache_key)
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
             return hit
-        try:
-            rendered = self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                                   **(template_kwargs or {}))
-        except Exception as e:  # jinja errors surface as 400 in SGLang
-            raise TokenizeError(f"Failed to apply chat template: {e}") from e
-        return await self._encode(key, rendered, False)
+        ids = await self.chat.ids(prompt)
+        if len(key[1]) <= _CACHE_MAX_CHARS:
+            self._remember(key, ids)
+        return ids
 
     async def _encode(self, key: Any, text: str, special: bool) -> list[int]:
         hit = self._cache.get(key)
@@ -103,17 +116,21 @@ class PromptTokenizer:
         try:
             if len(text) >= _THREAD_MIN_CHARS:
                 loop = asyncio.get_running_loop()
-                enc = await loop.run_in_executor(None, self.backend.encode_batch_fast, [text], special)
+                enc = await loop.run_in_executor(
+                    None, lambda: self.backend.encode_batch_fast([text], add_special_tokens=special))
                 ids = enc[0].ids
             else:
                 ids = self.backend.encode(text, add_special_tokens=special).ids
         except TypeError as e:  # lone surrogates
-            raise TokenizeError(f"Invalid prompt text: {e}") from e
+            raise HTTPError(400, f"Invalid prompt text: {e}") from e
         if len(text) <= _CACHE_MAX_CHARS:
-            self._cache[key] = ids
-            if len(self._cache) > _CACHE_MAX_ENTRIES:
-                self._cache.popitem(last=False)
+            self._remember(key, ids)
         return ids
+
+    def _remember(self, key: Any, ids: list[int]) -> None:
+        self._cache[key] = ids
+        if len(self._cache) > _CACHE_MAX_ENTRIES:
+            self._cache.popitem(last=False)
 
     # detokenizing
     def decode(self, ids: list[int]) -> str:

@@ -15,7 +15,7 @@ from gateway.admission.admit import AdmittedRequest
 from gateway.admission.dialects import Dialect
 from gateway.admission.requests import UsageOptions
 from gateway.config import TimeoutsConfig
-from gateway.lifecycle import ClientGone, Done, Failure, InFlight, PDExchange, RelayEvent, Release, RoomAllocator
+from gateway.lifecycle import ClientGone, Done, Failure, ExchangeRegistry, PDExchange, RelayEvent, Release, RoomAllocator
 from routing.engines.errors import EngineBroken, EngineRejected
 from routing.engines.identity import EngineIdentity
 from routing.pools import WorkerPair
@@ -45,7 +45,7 @@ class Run:
         admitted = AdmittedRequest("/generate", "glm-5", True, b'{"text":"hi","sampling_params":{}}',
                                    {Dialect.V0_5_23: COUNT}, 4, UsageOptions())
         self.exchange = PDExchange(self.engines, WorkerPair(prefill, decode), admitted, timeouts=timeouts,
-                                   release=release, in_flight=InFlight(), rooms=RoomAllocator())
+                                   release=release, registry=ExchangeRegistry(), rooms=RoomAllocator())
         self.prefill, self.decode = self.engines.prefill, self.engines.decode
 
     async def start(self) -> None:
