@@ -2,54 +2,67 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator
+import traceback
 
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from gateway.config import GatewayConfig
 from gateway.proxy import GenerateEndpoint
-from gateway.runtime import Gateway
+from gateway.runtime import Gateway, GateRefused
 
 
 def _json(payload: object, status: int = 200) -> Response:
     return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
 
 
-class GenerateFastPath:
-    """Sends the three generate routes straight to their endpoints, everything else to Starlette: Starlette's
-    routing and middleware cost ~5% of the gateway's CPU per request on the hot path, and add nothing there."""
+class GatewayApp:
+    """The ASGI app: the three generate routes go straight to their endpoints, everything else to Starlette
+    (Starlette's routing and middleware cost ~5% of the gateway's CPU per request on the hot path, and add nothing
+    there); the lifespan starts and stops the gateway."""
 
-    def __init__(self, app: Starlette, endpoints: dict[str, GenerateEndpoint]) -> None:
+    def __init__(self, gateway: Gateway, app: Starlette, endpoints: dict[str, GenerateEndpoint]) -> None:
+        self.gateway = gateway
         self.app = app
         self.endpoints = endpoints
-        self.state = app.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
         endpoint = self.endpoints.get(scope["path"]) if scope["type"] == "http" else None
         if endpoint is None:
             await self.app(scope, receive, send)
         else:
             await endpoint(scope, receive, send)
 
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        await receive()  # lifespan.startup
+        try:
+            await self.gateway.start()
+        except GateRefused:
+            # The gateway working as designed: `serve` prints the refusal; no traceback, every session closed.
+            await self.gateway.stop()
+            await send({"type": "lifespan.startup.failed", "message": ""})
+            return
+        except BaseException:
+            await self.gateway.stop()
+            await send({"type": "lifespan.startup.failed", "message": traceback.format_exc()})
+            return
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        await self.gateway.stop()
+        await send({"type": "lifespan.shutdown.complete"})
 
-def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> ASGIApp:
+
+def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> GatewayApp:
     gateway = gateway or Gateway(config)
     started = int(time.time())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        await gateway.start()
-        try:
-            yield
-        finally:
-            await gateway.stop()
 
     async def list_models(_: Request) -> Response:
         data = []
@@ -82,6 +95,4 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> ASGIApp
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.gateway = gateway
-    return GenerateFastPath(app, endpoints)
+    return GatewayApp(gateway, Starlette(routes=routes), endpoints)

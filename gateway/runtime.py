@@ -18,6 +18,7 @@ from gateway.errors import GatewayError
 from gateway.lifecycle import ExchangeRegistry, PDExchange, RoomAllocator
 from gateway.telemetry.metrics import GatewayMetrics
 from routing.engines.client import EngineClient
+from gateway.preflight import describe_refusal
 from routing.gate import ModelJudgement
 from routing.monitor import WorkerMonitor
 from routing.pools import ModelPool, WorkerPair, pool_for
@@ -78,6 +79,10 @@ def build_model(config: ModelConfig, *, cache_bytes: int) -> ServedModel:
 class GateRefused(Exception):
     """A model failed the KV-pool gate at startup and the gateway is not configured to start anyway."""
 
+    def __init__(self, judgements: list[ModelJudgement]) -> None:
+        super().__init__("\n".join(describe_refusal(j) for j in judgements))
+        self.judgements = judgements
+
 
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
@@ -90,6 +95,7 @@ class Gateway:
         self.monitor: WorkerMonitor | None = None
         self.admission_workers: AdmissionWorkers | None = None
         self.judgements: dict[str, ModelJudgement] = {}
+        self.refusal: str | None = None  # why startup refused to serve, as printed for the operator
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -109,8 +115,9 @@ class Gateway:
         judgements = await self.monitor.verify_startup(self.config.gate.startup_timeout_s)
         refused = [j for j in judgements if not j.passes]
         if refused and not self.config.gate.start_anyway:
-            raise GateRefused("; ".join(f"model {j.model.name!r} refused: {' | '.join(j.reasons)}"
-                                        for j in refused))
+            error = GateRefused(refused)
+            self.refusal = str(error)
+            raise error
         self.monitor.start()
 
     async def stop(self) -> None:
@@ -199,13 +206,15 @@ class Gateway:
     def _update_availability(self, model: ServedModel, judgement: ModelJudgement, startup: bool) -> None:
         if startup and not judgement.passes:
             model.refused_at_startup = True
-            log.error("model %s refused: %s", model.name, " | ".join(judgement.reasons))
+            if self.config.gate.start_anyway:
+                log.error("%s\n  (gate.start_anyway: the model answers 503 until its workers pass)",
+                          describe_refusal(judgement))
         if model.refused_at_startup and not any(v.pool_mismatch or v.problems for v in judgement.workers):
             model.refused_at_startup = False
         if model.refused_at_startup:
-            model.unavailable = "refused by the KV-pool gate: " + " | ".join(judgement.reasons or ["see preflight"])
+            model.unavailable = "refused by the KV-pool gate: " + _why(judgement)
         elif not judgement.passes:
-            model.unavailable = " | ".join(judgement.reasons)
+            model.unavailable = _why(judgement)
         else:
             model.unavailable = None
         metrics = self.metrics
@@ -213,3 +222,9 @@ class Gateway:
         metrics.model_effective_limit.labels(model.name).set(model.admission.limits.prompt_tokens)
         metrics.model_clamped.labels(model.name).set(1 if judgement.verdict == "clamp" else 0)
         metrics.model_available.labels(model.name).set(0 if model.unavailable else 1)
+
+
+def _why(judgement: ModelJudgement) -> str:
+    """A judgement's reasons with each failing worker's problems, for 503 answers and /readyz."""
+    workers = [f"{v.worker.role} {v.worker.url}: {'; '.join(v.problems)}" for v in judgement.workers if v.problems]
+    return " | ".join([*judgement.reasons, *workers]) or "see kvgate preflight"

@@ -6,6 +6,7 @@ headers; `GuardedHttpToolsProtocol` adds that, answering 431 before a header flo
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import httptools
@@ -97,10 +98,16 @@ def uvicorn_config(app: ASGIApp, config: GatewayConfig, *, log_level: str, loop:
 
 
 def serve(config: GatewayConfig, *, log_level: str) -> int:
-    """Run the gateway until it is stopped; 3 when it could not start (e.g. a model refused by the KV-pool gate)."""
+    """Run the gateway until it is stopped; 3 when it could not start (e.g. a model refused by the KV-pool gate,
+    printed as one block per model)."""
     from gateway.app import create_app
 
-    server = uvicorn.Server(uvicorn_config(create_app(config), config, log_level=log_level))
-    server.run()
-    # uvicorn reports a failed startup only by not having started.
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn_config(app, config, log_level=log_level))
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's way of reporting a failed startup
+        pass
+    if app.gateway.refusal is not None:
+        print(f"kvgate: not serving.\n{app.gateway.refusal}", file=sys.stderr, flush=True)
     return 0 if server.started else 3

@@ -65,21 +65,22 @@ def judge_model(model: ModelSpec, readings: dict[Worker, Reading], *, startup: b
     mismatches = [j for j in judgements if j.pool_mismatch]
     if model.on_pool_mismatch == "refuse":
         for judgement in mismatches:
-            judgement.problems.append(_mismatch_text(judgement, configured))
+            judgement.problems.append(mismatch_text(judgement, configured))
     # Safety first, whatever the policy: never admit a prompt some admitted worker's scheduler would abort.
     admitted_limits = [j.reading.info.identity.max_req_input_len - 1 for j in judgements
                        if not j.problems and j.reading.info is not None]
     effective = min([configured, *admitted_limits])
     if mismatches and model.on_pool_mismatch == "clamp":
         reasons.append(f"clamped from {configured} to {effective} prompt tokens: "
-                       + "; ".join(_mismatch_text(j, configured) for j in mismatches))
+                       + "; ".join(mismatch_text(j, configured, name_worker=True) for j in mismatches))
     admitted = [j for j in judgements if not j.problems]
+    # Model-level reasons name no worker detail: each worker's own problems carry it, once.
     for role in ("prefill", "decode"):
         if not any(j.worker.role == role for j in admitted):
-            failing = [f"{j.worker.url}: {'; '.join(j.problems)}" for j in judgements if j.worker.role == role]
-            reasons.append(f"no usable {role} worker ({' | '.join(failing) or 'none configured'})")
+            configured_any = any(j.worker.role == role for j in judgements)
+            reasons.append(f"no usable {role} worker" + ("" if configured_any else " (none configured)"))
     if startup and mismatches and model.on_pool_mismatch == "refuse":
-        reasons.insert(0, "; ".join(_mismatch_text(j, configured) for j in mismatches))
+        reasons.insert(0, f"{len(mismatches)} worker(s) hold less than the advertised {configured} prompt tokens")
         verdict: Verdict = "refuse"
     elif any(r.startswith("no usable") for r in reasons):
         verdict = "refuse"
@@ -135,9 +136,16 @@ def _check_same_model(judgements: list[WorkerJudgement]) -> None:
                                       f"{reference.tokenizer_path!r}")
 
 
-def _mismatch_text(judgement: WorkerJudgement, configured: int) -> str:
+def mismatch_text(judgement: WorkerJudgement, configured: int, *, name_worker: bool = False) -> str:
     assert judgement.reading.info is not None
     identity = judgement.reading.info.identity
-    return (f"{judgement.worker.role} worker {judgement.worker.url} has a KV pool of {identity.pool_tokens} tokens "
-            f"(max_req_input_len {identity.max_req_input_len}, safe prompt limit {identity.max_req_input_len - 1})"
-            f", below the model's limit of {configured} prompt tokens")
+    who = f"{judgement.worker.role} worker {judgement.worker.url}: " if name_worker else ""
+    return (f"{who}KV pool of {identity.pool_tokens} tokens (max_req_input_len {identity.max_req_input_len}, safe "
+            f"prompt limit {identity.max_req_input_len - 1}) is below the model's limit of {configured} prompt tokens")
+
+
+def safe_limit(judgement: ModelJudgement) -> int | None:
+    """The largest limit every mismatched worker safely admits (what clamping would serve), if any mismatch."""
+    limits = [j.reading.info.identity.max_req_input_len - 1 for j in judgement.workers
+              if j.pool_mismatch and j.reading.info is not None]
+    return min(limits) if limits else None

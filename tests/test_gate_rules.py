@@ -39,7 +39,9 @@ def test_pool_large_enough_passes_with_configured_limit() -> None:
 def test_pool_below_context_refuses_by_default_naming_worker_and_pool() -> None:
     judgement = judge_model(_config(), _readings(4096, 100_000), startup=True)
     assert judgement.verdict == "refuse"
-    assert "http://p:1" in judgement.reasons[0] and "4096" in judgement.reasons[0]
+    assert "1 worker(s) hold less than the advertised 8191" in judgement.reasons[0]
+    prefill = next(j for j in judgement.workers if j.worker.url == "http://p:1")
+    assert prefill.pool_mismatch and "KV pool of 4096 tokens" in prefill.problems[0]
 
 
 def test_clamp_moves_limit_to_smallest_max_req_input_len_minus_one() -> None:

@@ -42,9 +42,22 @@ def test_pool_below_context_with_refuse_fails_startup_naming_the_worker(
         small_prefill: EnginePair, tmp_path: Path) -> None:
     config = write_config(tmp_path, [model_entry("glm-5", [small_prefill.prefill], [small_prefill.decode])])
     result = _kvgate("serve", "--config", str(config))
-    assert result.returncode != 0
+    assert result.returncode == 3
     assert small_prefill.prefill.url in result.stderr
     assert "4096" in result.stderr and "8191" in result.stderr
+
+
+def test_a_refused_start_is_one_clear_block_with_no_traceback_naming_each_failing_worker_once(
+        small_prefill: EnginePair, tmp_path: Path) -> None:
+    config = write_config(tmp_path, [model_entry("glm-5", [small_prefill.prefill], [small_prefill.decode])])
+    result = _kvgate("serve", "--config", str(config))
+    output = result.stdout + result.stderr
+    assert result.returncode == 3
+    assert "Traceback" not in output and "Unclosed" not in output and "Exception" not in output
+    # Both pools (4096 and 6000) are below the advertised 8191: each worker is named exactly once.
+    assert output.count(small_prefill.prefill.url) == 1 and output.count(small_prefill.decode.url) == 1
+    assert "safe prompt limit 4089" in output and "safe prompt limit 5993" in output
+    assert "max_prompt_tokens: 4089" in output and "on_pool_mismatch: clamp" in output
 
 
 def test_refused_model_answers_503_when_configured_to_start_anyway(small_prefill: EnginePair, tmp_path: Path) -> None:

@@ -3,7 +3,9 @@
 A prompt is split at added tokens (the tokenizer never merges across them); each plain segment's count is
 cached per tenant, and only the segments missing from the cache are encoded: long ones cut at verified
 pre-tokenizer splits and counted on all cores, in worker threads with the GIL released
-(`encode_batch_fast`; `Tokenizer.encode` holds the GIL for its whole run).
+(`encode_batch_fast`; `Tokenizer.encode` holds the GIL for its whole run). Every step over a long prompt works
+in slices and hands the GIL over between them; a piece without a verified cut for megabytes, whose conversion
+for `tokenizers` and freeing alone would hold the GIL for long, is counted in a helper process.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class TokenCounter:
         With `limit`, may stop once the count provably exceeds it and return some value > limit.
         Raises UnencodableText for text the tokenizer cannot encode.
         """
-        return (await self.count_bounded(text, tenant=tenant, add_special_tokens=add_special_tokens, limit=limit)).tokens
+        result = await self.count_bounded(text, tenant=tenant, add_special_tokens=add_special_tokens, limit=limit)
+        return result.tokens
 
     async def count_bounded(
         self, text: str, *, tenant: str, add_special_tokens: bool = False, limit: int | None = None

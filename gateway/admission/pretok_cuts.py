@@ -46,7 +46,8 @@ class PieceCutter:
         return [text[a:b] for a, b in pairwise(self.bounds(text, 0, len(text), piece_chars))]
 
     def bounds(self, text: str, start: int, stop: int, piece_chars: int) -> list[int]:
-        """`start`, verified cuts about `piece_chars` apart in text[start:stop] (the text the tokenizer sees), `stop`."""
+        """`start`, verified cuts about `piece_chars` apart in text[start:stop] (a text the tokenizer sees whole),
+        and `stop`."""
         bounds = [start]
         lo = start + piece_chars
         while lo < stop - piece_chars // 2:

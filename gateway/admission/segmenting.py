@@ -17,8 +17,9 @@ from collections.abc import Iterable, Iterator
 from gateway.admission.gil import YIELD_CHARS, finditer_sliced, yield_gil
 from gateway.admission.tokenizer import AddedToken
 
-# Rust `char::is_whitespace` (Unicode White_Space); Python's `\s` also matches U+001C..U+001F, which Rust does not.
-_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+# Rust `char::is_whitespace` (Unicode White_Space, none above U+3000): Python's `str.isspace` also accepts
+# U+001C..U+001F, which Rust does not.
+_WHITE_SPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace() and not "\x1c" <= c <= "\x1f")
 _NON_SPACE = re.compile(f"[^{re.escape(_WHITE_SPACE)}]")
 _NON_WORD = frozenset(string.whitespace + string.punctuation.replace("_", ""))
 

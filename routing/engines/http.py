@@ -15,6 +15,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import cast
 
 import httptools
 
@@ -144,8 +145,7 @@ class HttpConnection(asyncio.Protocol):
 
     # ── asyncio.Protocol ────────────────────────────────────────────────────────────────────────────────────
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
 
     def data_received(self, data: bytes) -> None:
         if self._response is None:
