@@ -1,6 +1,8 @@
 """One PD request, from dispatch to the last byte: the place where kvgate's promises live.
 
-    DISPATCHED ─ both halves sent at once with the same gateway-owned rid and bootstrap_room
+    DISPATCHED ─ a verified connection to each half first (a half that is unreachable, or restarted as another
+                 engine, fails the request before either is sent); then both sent at once with the same
+                 gateway-owned rid and bootstrap_room
       ├─ prefill: read to its end (it answers only after the KV transfer), checked, its prompt count verified
       └─ decode:  streamed (even for a non-streaming client, to see the first token), each event checked
     RELEASE    ─ with `release: verified` (the default) no decode byte reaches the relay until prefill has answered
@@ -36,7 +38,7 @@ from gateway.config import TimeoutsConfig
 from gateway.errors import GatewayError
 from routing.engines.client import error_message
 from routing.engines.errors import (EngineBroken, EngineChanged, EngineError, EngineRejected, EngineTimeout,
-                                    EngineUnreachable, is_length_rejection)
+                                    is_length_rejection)
 from routing.pools import WorkerPair
 from routing.workers import Worker
 
@@ -83,8 +85,15 @@ class EngineStream(Protocol):
     def close(self) -> None: ...
 
 
+class EngineLink(Protocol):
+    """A verified connection to one worker, reserved for one request."""
+
+    async def generate(self, path: str, body: Sequence[bytes | memoryview]) -> EngineStream: ...
+    def release(self) -> None: ...
+
+
 class Engines(Protocol):
-    async def generate(self, worker: Worker, path: str, body: Sequence[bytes | memoryview]) -> EngineStream: ...
+    async def connect(self, worker: Worker) -> EngineLink: ...
     async def abort(self, url: str, rid: str) -> bool: ...
 
 
@@ -181,23 +190,46 @@ class PDExchange:
         self._on_closed = on_closed
         self._loads = ExitStack()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._dispatch_task: asyncio.Task[None] | None = None
         self._prefill_task: asyncio.Task[None] | None = None
         self._decode_task: asyncio.Task[None] | None = None
+        self._sent = False
         self._timers: list[asyncio.TimerHandle] = []
         self._watchdog: IdleWatchdog | None = None
 
     # ── dispatch ────────────────────────────────────────────────────────────────────────────────────────────
     def start(self) -> None:
-        prefill_body, decode_body = self._engine_bodies()
         self._loads.enter_context(self.pair.prefill.load())
         self._loads.enter_context(self.pair.decode.load())
         self._registry.running.add(self)
-        self._prefill_task = self._spawn(self._run_prefill(prefill_body))
-        self._decode_task = self._spawn(self._run_decode(decode_body))
+        self._dispatch_task = self._spawn(self._dispatch())
         loop, timeouts = asyncio.get_running_loop(), self.timeouts
         self._timers = [loop.call_later(timeouts.prefill_s, self._prefill_timeout),
                         loop.call_later(timeouts.first_token_s, self._first_token_timeout),
                         loop.call_later(timeouts.total_s, self._total_timeout)]
+
+    async def _dispatch(self) -> None:
+        try:
+            versions = (_verified_version(self.pair.prefill), _verified_version(self.pair.decode))
+        except EngineChanged as error:
+            self.fail(map_engine_error(error))
+            return
+        links = await asyncio.gather(self.engines.connect(self.pair.prefill), self.engines.connect(self.pair.decode),
+                                     return_exceptions=True)
+        failed = [link for link in links if isinstance(link, BaseException)]
+        if failed:
+            for link in links:
+                if not isinstance(link, BaseException):
+                    link.release()
+            if not isinstance(failed[0], EngineError):
+                raise failed[0]
+            self.fail(map_engine_error(failed[0]))  # neither half was sent anything
+            return
+        prefill_link, decode_link = links
+        prefill_body, decode_body = self._engine_bodies()
+        self._sent = True
+        self._prefill_task = self._spawn(self._run_prefill(prefill_link, prefill_body, versions[0]))
+        self._decode_task = self._spawn(self._run_decode(decode_link, decode_body, versions[1]))
 
     def _engine_bodies(self) -> tuple[tuple[memoryview, bytes], tuple[memoryview, bytes]]:
         """The admitted body plus the gateway-owned fields, spliced in as a second part: the body is neither parsed
@@ -280,6 +312,9 @@ class PDExchange:
     async def _cancel(self) -> None:
         """Prefill first when its fate is unknown, decode only after prefill's abort has answered."""
         prefill, decode = self.pair.prefill, self.pair.decode
+        if not self._sent:  # still connecting: nothing reached either engine
+            await _stop(self._dispatch_task)
+            return
         if not self._prefill_settled.is_set():
             await _stop(self._prefill_task)
             await self.engines.abort(prefill.url, self.rid)
@@ -325,12 +360,11 @@ class PDExchange:
             f"{expected}; the request was cancelled before any output was released")
 
     # ── prefill half ────────────────────────────────────────────────────────────────────────────────────────
-    async def _run_prefill(self, body: bytes) -> None:
+    async def _run_prefill(self, link: EngineLink, body: Sequence[bytes | memoryview], version: str) -> None:
         worker = self.pair.prefill
         response: EngineStream | None = None
         try:
-            version = _verified_version(worker)
-            response = await self.engines.generate(worker, self.admitted.route, body)
+            response = await link.generate(self.admitted.route, body)
             payload = await response.body()
             self._prefill_settled.set()
             result = _parse_result("prefill", payload)
@@ -340,8 +374,8 @@ class PDExchange:
             self._maybe_let_go()
         except PromptCountMismatch as exc:
             self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
-        except (EngineRejected, EngineUnreachable, EngineChanged) as error:
-            self._prefill_settled.set()  # it answered, or the request never reached it
+        except EngineRejected as error:
+            self._prefill_settled.set()  # it answered
             self.fail(map_engine_error(error))
         except EngineError as error:
             self.fail(map_engine_error(error))
@@ -350,12 +384,11 @@ class PDExchange:
                 response.close()
 
     # ── decode half ─────────────────────────────────────────────────────────────────────────────────────────
-    async def _run_decode(self, body: bytes) -> None:
+    async def _run_decode(self, link: EngineLink, body: Sequence[bytes | memoryview], version: str) -> None:
         worker = self.pair.decode
         response: EngineStream | None = None
         try:
-            version = _verified_version(worker)
-            response = await self.engines.generate(worker, self.admitted.route, body)
+            response = await link.generate(self.admitted.route, body)
             async for data in response.events():
                 if self._watchdog is not None:
                     self._watchdog.touch()

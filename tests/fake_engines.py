@@ -80,6 +80,17 @@ class FakeStream:
             yield item
 
 
+class FakeLink:
+    def __init__(self, half: FakeHalf) -> None:
+        self._half = half
+
+    async def generate(self, path: str, body: Sequence[bytes | memoryview]) -> FakeStream:
+        return await self._half.generate(body)
+
+    def release(self) -> None:
+        self._half.log.append(("released unused", self._half.role))
+
+
 class FakeEngines:
     """Implements what `gateway.lifecycle.Engines` needs; aborts answer after `abort_delay_s`."""
 
@@ -89,9 +100,19 @@ class FakeEngines:
         self.prefill = self.halves[prefill.url]
         self.decode = self.halves[decode.url]
         self.abort_delay_s = abort_delay_s
+        self._connect_errors: dict[str, EngineError] = {}
 
-    async def generate(self, worker: Worker, path: str, body: Sequence[bytes | memoryview]) -> FakeStream:
-        return await self.halves[worker.url].generate(body)
+    def fail_connect(self, role: str, error: EngineError) -> None:
+        """The next connection to that half fails (unreachable, or a restarted engine): nothing is sent on it."""
+        self._connect_errors[role] = error
+
+    async def connect(self, worker: Worker) -> FakeLink:
+        half = self.halves[worker.url]
+        self.log.append(("connect", half.role))
+        error = self._connect_errors.pop(half.role, None)
+        if error is not None:
+            raise error
+        return FakeLink(half)
 
     async def abort(self, url: str, rid: str) -> bool:
         role = self.halves[url].role

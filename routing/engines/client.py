@@ -55,6 +55,37 @@ class EngineResponse:
         self._response.close()
 
 
+class EngineLink:
+    """A verified connection to one worker, reserved for one generate request: connecting both halves before
+    sending either means a half that cannot be reached (or has changed) costs the other nothing."""
+
+    __slots__ = ("worker", "_pool", "_connection", "_used")
+
+    def __init__(self, worker: Worker, pool: ConnectionPool, connection: HttpConnection) -> None:
+        self.worker = worker
+        self._pool = pool
+        self._connection = connection
+        self._used = False
+
+    async def generate(self, path: str, body: Body) -> EngineResponse:
+        """Send a generate request (its JSON body in parts); returns once a 2xx status is in."""
+        role: Role = self.worker.role
+        self._used = True
+        try:
+            response = await self._pool.send_on(self._connection, b"POST", path, body, _JSON)
+        except HttpError as exc:
+            raise EngineBroken(role, f"{role} worker {self.worker.url} connection broke: {exc}") from exc
+        if response.status >= 300:
+            raise await _rejection(role, self.worker.url, response)
+        return EngineResponse(role, response)
+
+    def release(self) -> None:
+        """Not used after all: the connection goes back to the pool."""
+        if not self._used:
+            self._used = True
+            self._pool.give_back(self._connection)
+
+
 class EngineClient:
     """Connection pools to every engine; knows SGLang's routes, nothing about prefill/decode pairing."""
 
@@ -65,23 +96,23 @@ class EngineClient:
         self._generation: dict[Worker, ConnectionPool] = {}
         self._control: dict[str, ConnectionPool] = {}
 
-    async def generate(self, worker: Worker, path: str, body: Body) -> EngineResponse:
-        """Send a generate request (its JSON body in parts) on a verified connection; returns once a 2xx status
-        is in."""
+    async def connect(self, worker: Worker) -> EngineLink:
+        """A verified connection to `worker` (reused, or new and checked): nothing is sent on it yet."""
         role: Role = worker.role
         pool = self._generation.get(worker)
         if pool is None:
             pool = self._generation[worker] = self._pool(worker.url, verify=worker)
         try:
-            response = await pool.request(b"POST", path, body, _JSON)
+            return EngineLink(worker, pool, await pool.acquire())
         except ConnectFailed as exc:
             worker.mark_unreachable(f"connection failed: {exc}")
             raise EngineUnreachable(role, f"{role} worker {worker.url} unreachable: {exc}") from exc
         except HttpError as exc:
-            raise EngineBroken(role, f"{role} worker {worker.url} connection broke: {exc}") from exc
-        if response.status >= 300:
-            raise await _rejection(role, worker.url, response)
-        return EngineResponse(role, response)
+            raise EngineUnreachable(role, f"{role} worker {worker.url}: {exc}") from exc
+
+    async def generate(self, worker: Worker, path: str, body: Body) -> EngineResponse:
+        """Connect and send in one step (the lifecycle connects both halves first)."""
+        return await (await self.connect(worker)).generate(path, body)
 
     async def abort(self, url: str, rid: str) -> bool:
         """Best-effort `POST /abort_request`; True when the engine accepted it."""

@@ -265,13 +265,21 @@ class ConnectionPool:
 
     async def request(self, method: bytes, path: str, body: Body = (),
                       headers: tuple[tuple[bytes, bytes], ...] = ()) -> Response:
-        connection = await self.acquire()
+        return await self.send_on(await self.acquire(), method, path, body, headers)
+
+    async def send_on(self, connection: HttpConnection, method: bytes, path: str, body: Body = (),
+                      headers: tuple[tuple[bytes, bytes], ...] = ()) -> Response:
+        """Send a request on a connection from `acquire()`; it returns to the pool once the response is read."""
         try:
             return await connection.send(self._head(method, path, headers, _length(body)), body, self._finished)
         except BaseException:
             self._busy.discard(connection)
             connection.close()
             raise
+
+    def give_back(self, connection: HttpConnection) -> None:
+        """A connection from `acquire()` that was not used after all."""
+        self._finished(connection, True)
 
     async def fetch(self, connection: HttpConnection, path: str) -> tuple[int, bytes]:
         """A GET on `connection` itself (from a new-connection hook), leaving it ready for the next request."""

@@ -16,7 +16,7 @@ from gateway.admission.dialects import Dialect
 from gateway.admission.requests import UsageOptions
 from gateway.config import TimeoutsConfig
 from gateway.lifecycle import ClientGone, Done, Failure, ExchangeRegistry, PDExchange, RelayEvent, Release, RoomAllocator
-from routing.engines.errors import EngineBroken, EngineRejected
+from routing.engines.errors import EngineBroken, EngineChanged, EngineError, EngineRejected, EngineUnreachable
 from routing.engines.identity import EngineIdentity
 from routing.pools import WorkerPair
 from routing.workers import Worker, WorkerSpec
@@ -266,4 +266,23 @@ def test_total_timeout_fails_a_slow_but_alive_stream() -> None:
         await run.finished()
         events: list[Any] = run.relayed()
         assert isinstance(events[-1], Failure) and events[-1].error.code == "total_timeout"
+    _run(scenario)
+
+
+@pytest.mark.parametrize(("role", "error", "status"), [
+    ("prefill", EngineChanged("prefill", "restarted with another pool"), 503),
+    ("decode", EngineUnreachable("decode", "connection refused"), 502)])
+def test_a_half_that_cannot_be_connected_fails_the_request_before_either_half_is_sent(
+        role: str, error: EngineError, status: int) -> None:
+    async def scenario() -> None:
+        run = Run()
+        run.engines.fail_connect(role, error)
+        run.exchange.start()
+        log = await run.finished()
+        events = run.relayed()
+        assert len(events) == 1 and isinstance(events[0], Failure) and events[0].error.status == status
+        assert ("request", "prefill") not in log and ("request", "decode") not in log
+        other = "decode" if role == "prefill" else "prefill"
+        assert ("released unused", other) in log
+        assert not any(kind == "abort" for kind, _ in log)
     _run(scenario)
