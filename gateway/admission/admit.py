@@ -17,7 +17,7 @@ import orjson
 
 from gateway.admission.chat import ChatPrompt, ChatSettings, RenderPlan
 from gateway.admission.chat_template import ChatTemplate, RenderFailed
-from gateway.admission.counting import TokenCounter, UnencodableText
+from gateway.admission.counting import CountResult, TokenCounter, UnencodableText
 from gateway.admission.dialects import Dialect, dialect_for
 from gateway.admission.tokenizer import ModelTokenizer
 from gateway.admission.requests import ClientRequest, IdsPrompt, Route, TextPrompt, UsageOptions
@@ -79,13 +79,16 @@ class Admission:
 
     async def admit(self, request: ClientRequest, *, tenant: str, dialects: frozenset[Dialect]) -> AdmittedRequest:
         limits = self.limits
-        counts = await self._count(request, tenant=tenant, limit=limits.prompt_tokens, dialects=dialects)
-        worst = max(counts.values())
-        if worst > limits.prompt_tokens:
+        results = await self._count(request, tenant=tenant, limit=limits.prompt_tokens, dialects=dialects)
+        worst = max(results.values(), key=lambda result: result.tokens)
+        if worst.tokens > limits.prompt_tokens:
+            # An early exit knows only a lower bound: it says so rather than state a count it did not make.
+            counted = f"{worst.tokens} tokens counted" if worst.exact else f"more than {limits.prompt_tokens} tokens"
             raise context_length_exceeded(
-                f"Prompt is too long for model {self.model!r}: {_counted(worst, limits.prompt_tokens)}, the limit "
-                f"is {limits.prompt_tokens} prompt tokens.", param=request.prompt_param)
-        max_new = self._output_tokens(request, worst)
+                f"Prompt is too long for model {self.model!r}: {counted}, the limit is {limits.prompt_tokens} prompt "
+                "tokens.", param=request.prompt_param)
+        counts = {dialect: result.tokens for dialect, result in results.items()}
+        max_new = self._output_tokens(request, worst.tokens)
         fields = dict(request.fields)
         if request.route == "/generate":
             fields["sampling_params"] = {**fields["sampling_params"], "max_new_tokens": max_new}
@@ -120,20 +123,20 @@ class Admission:
 
     # ── counting ────────────────────────────────────────────────────────────────────────────────────────────
     async def _count(self, request: ClientRequest, *, tenant: str, limit: int,
-                     dialects: frozenset[Dialect]) -> dict[Dialect, int]:
+                     dialects: frozenset[Dialect]) -> dict[Dialect, CountResult]:
         prompt = request.prompt
         if isinstance(prompt, IdsPrompt):
             n = len(prompt.ids)
             if n <= limit:  # the length alone decides a refusal, before any id is looked at
                 await _maybe_off_loop(self._check_ids, prompt.ids, large=n > _INLINE_ITEMS)
-            return dict.fromkeys(dialects, n)
+            return dict.fromkeys(dialects, CountResult(n, exact=True))
         if isinstance(prompt, TextPrompt):
-            n = await self._count_text(prompt.text, tenant, special=True, limit=limit)
-            return dict.fromkeys(dialects, n)
+            result = await self._count_text(prompt.text, tenant, special=True, limit=limit)
+            return dict.fromkeys(dialects, result)
         assert isinstance(prompt, ChatPrompt)
         large = _is_large(request)
-        counts: dict[Dialect, int] = {}
-        by_text: dict[tuple[str, str | None], int] = {}
+        counts: dict[Dialect, CountResult] = {}
+        by_text: dict[tuple[str, str | None], CountResult] = {}
         for dialect in sorted(dialects, key=lambda d: d.value):
             plan = prompt.plan(dialect, self.chat.content_format)
             text = await _maybe_off_loop(self._render, plan, large=large)
@@ -160,21 +163,22 @@ class Admission:
     def _render_once(self, plan: RenderPlan, tools: list[dict[str, Any]] | None) -> str:
         return self.template.render(plan.messages, tools=tools, documents=plan.documents, extra=plan.variables)
 
-    async def _count_chat(self, text: str, prefix: str | None, tenant: str, limit: int) -> int:
-        total = await self._count_text(text, tenant, special=False, limit=limit)
-        if prefix and total <= limit:
-            # serving_chat.py: _append_assistant_prefix_to_prompt_ids — the prefix is encoded on its own with the
-            # tokenizer's defaults and a leading BOS dropped.
-            total += await self._count_text(prefix, tenant, special=True, limit=limit - total)
-            if self._bos_token_id is not None and await _maybe_off_loop(self._first_id, prefix,
-                                                                        large=len(prefix) > _INLINE_CHARS) \
-                    == self._bos_token_id:
-                total -= 1
-        return total
+    async def _count_chat(self, text: str, prefix: str | None, tenant: str, limit: int) -> CountResult:
+        rendered = await self._count_text(text, tenant, special=False, limit=limit)
+        if not prefix or rendered.tokens > limit:
+            return rendered
+        # serving_chat.py: _append_assistant_prefix_to_prompt_ids — the prefix is encoded on its own with the
+        # tokenizer's defaults and a leading BOS dropped.
+        appended = await self._count_text(prefix, tenant, special=True, limit=limit - rendered.tokens)
+        tokens = rendered.tokens + appended.tokens
+        if self._bos_token_id is not None and appended.exact and await _maybe_off_loop(
+                self._first_id, prefix, large=len(prefix) > _INLINE_CHARS) == self._bos_token_id:
+            tokens -= 1
+        return CountResult(tokens, exact=appended.exact)
 
-    async def _count_text(self, text: str, tenant: str, *, special: bool, limit: int) -> int:
+    async def _count_text(self, text: str, tenant: str, *, special: bool, limit: int) -> CountResult:
         try:
-            return await self.counter.count(text, tenant=tenant, add_special_tokens=special, limit=limit)
+            return await self.counter.count_bounded(text, tenant=tenant, add_special_tokens=special, limit=limit)
         except UnencodableText as exc:
             raise bad_request(f"prompt cannot be tokenized: {exc}") from exc
 
@@ -187,10 +191,6 @@ class Admission:
         for token in ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 raise bad_request(f"token ids must be integers in [0, {vocab}); got {token!r}")
-
-
-def _counted(tokens: int, limit: int) -> str:
-    return f"{tokens} tokens counted"
 
 
 def _is_large(request: ClientRequest) -> bool:
