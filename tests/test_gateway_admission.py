@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 import socket
+import time
 
 import httpx
 import pytest
@@ -193,3 +194,31 @@ def test_models_endpoint_reports_the_effective_limit(client: httpx.Client) -> No
 def test_health_and_readiness(client: httpx.Client) -> None:
     assert client.get("/healthz").status_code == 200
     assert client.get("/readyz").json() == {"status": "ready"}
+
+
+@pytest.fixture(scope="module")
+def tight_gateway(pair: EnginePair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    config = write_config(tmp_path_factory.mktemp("tight"), [model_entry("glm-5", [pair.prefill], [pair.decode])],
+                          max_headers=20, max_header_bytes=4096, max_connections=4)
+    with running_gateway(config) as running:
+        yield running
+
+
+@pytest.mark.parametrize("headers", [{f"x-h{i}": "v" for i in range(30)}, {"x-big": "v" * 8000}])
+def test_header_floods_get_431_before_they_are_buffered(tight_gateway: RunningGateway, headers: dict[str, str]) -> None:
+    response = httpx.get(tight_gateway.url + "/healthz", headers=headers, timeout=10)
+    assert response.status_code == 431 and response.json()["error"]["code"] == "headers_too_large"
+    assert httpx.get(tight_gateway.url + "/healthz", timeout=10).status_code == 200
+
+
+def test_connections_beyond_max_connections_get_503(tight_gateway: RunningGateway) -> None:
+    port = int(tight_gateway.url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+    try:
+        time.sleep(0.2)
+        assert httpx.get(tight_gateway.url + "/healthz", timeout=10).status_code == 503
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.2)
+    assert httpx.get(tight_gateway.url + "/healthz", timeout=10).status_code == 200

@@ -163,3 +163,30 @@ def test_unreachable_worker_is_retried_until_the_startup_timeout_then_refused(tm
     assert 1.0 < elapsed < 20
     workers = json.loads(result.stdout)["models"][0]["workers"]
     assert all(w["verdict"] == "refuse" and "unreachable" in w["problems"][0] for w in workers)
+
+
+def test_a_restart_between_polls_with_a_smaller_pool_never_receives_a_prompt_over_its_new_limit(
+        tmp_path: Path) -> None:
+    """One second after the last telemetry read the prefill restarts with a 4,096-token pool (ready in ~2 s, far
+    inside the 60 s poll interval), and a 5,000-token prompt follows at once: only the identity check on the new
+    connection can stop it, and it must."""
+    with start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5",
+                    version="0.5.23") as pair:
+        config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode],
+                                                     on_pool_mismatch="clamp")],
+                              health={"interval_s": 60.0})
+        with running_gateway(config) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
+            prompt = {"input_ids": [9703] * 5000, "sampling_params": {"max_new_tokens": 1}}
+            assert client.post("/generate", json=prompt).status_code == 200  # keep-alive connections exist
+            time.sleep(1.0)
+            pair.prefill.restart(pool_tokens=4096)
+            answer = client.post("/generate", json=prompt)
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "worker_changed"
+            assert not [r for r in generation_records(pair.prefill) if r["prompt_tokens"] == 5000]
+            # The failed identity check woke the monitor: the new pool is judged and sets the limit at once.
+            assert wait_for(lambda: client.get("/v1/models").json()["data"][0]["max_prompt_tokens"] == 4089,
+                            timeout_s=10)
+            assert client.post("/generate", json=prompt).status_code == 413
+            assert client.post("/generate", json={"input_ids": [9703] * 4089,
+                                                   "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+            assert not [r for r in generation_records(pair.prefill) if r["prompt_tokens"] > 4089]
