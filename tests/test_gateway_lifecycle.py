@@ -142,4 +142,6 @@ def test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_uni
         assert len(seen) == requests
         assert all(r["rid"].startswith("kvg-") for r in seen)
         assert all(r["bootstrap_room"] != 7 and r["bootstrap_host"] == "127.0.0.1" for r in seen)
+        # The prefill's configured bootstrap_port, never the client's.
+        assert all(r["bootstrap_port"] == pair.prefill.bootstrap_port for r in seen)
         assert len({r["bootstrap_room"] for r in seen}) == requests

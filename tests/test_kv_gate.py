@@ -190,3 +190,16 @@ def test_a_restart_between_polls_with_a_smaller_pool_never_receives_a_prompt_ove
             assert client.post("/generate", json={"input_ids": [9703] * 4089,
                                                    "sampling_params": {"max_new_tokens": 1}}).status_code == 200
             assert not [r for r in generation_records(pair.prefill) if r["prompt_tokens"] > 4089]
+
+
+def test_telemetry_is_polled_every_interval_without_traffic(tmp_path: Path) -> None:
+    with start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5",
+                    version="0.5.23") as pair:
+        config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode],
+                                                     on_pool_mismatch="clamp")], health={"interval_s": 0.3})
+        with running_gateway(config) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
+            assert client.get("/v1/models").json()["data"][0]["max_prompt_tokens"] == 8185
+            pair.decode.restart(pool_tokens=6000)
+            # No request in between: only the periodic read can notice the new pool.
+            assert wait_for(lambda: client.get("/v1/models").json()["data"][0]["max_prompt_tokens"] == 5993,
+                            timeout_s=3)

@@ -5,13 +5,16 @@ shown the identity the KV-pool gate verified."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import time
 from collections.abc import Awaitable, Callable
 
 import orjson
 import pytest
 
 from routing.engines.client import EngineClient
-from routing.engines.errors import EngineBroken, EngineChanged, EngineRejected, EngineUnreachable
+from routing.engines.errors import EngineBroken, EngineChanged, EngineRejected, EngineTimeout, EngineUnreachable
 from routing.engines.identity import EngineIdentity, parse_identity
 from routing.workers import Worker, WorkerSpec
 
@@ -178,3 +181,48 @@ def test_a_stream_cut_short_is_broken_not_finished() -> None:
 
 def test_identity_equality_is_what_the_gate_judges() -> None:
     assert parse_identity(SERVER_INFO) == EngineIdentity(4096, 4089, 1, "0.5.23", "decode", "glm-5", "/t", 8192)
+
+
+def test_connect_s_bounds_a_connection_that_is_never_accepted() -> None:
+    async def scenario() -> None:
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        fillers = [socket.socket() for _ in range(3)]  # fill the accept queue: further SYNs go unanswered
+        for filler in fillers:
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(server.getsockname())
+        await asyncio.sleep(0.05)
+        worker = _worker(f"http://127.0.0.1:{server.getsockname()[1]}")
+        client = EngineClient(connect_timeout_s=0.3, verify_timeout_s=1, abort_timeout_s=1)
+        started = time.monotonic()
+        with pytest.raises(EngineUnreachable):
+            await client.connect(worker)
+        assert 0.25 < time.monotonic() - started < 2
+        await client.close()
+        for sock in (server, *fillers):
+            sock.close()
+    _run(scenario())
+
+
+@pytest.mark.parametrize("call", ["abort", "telemetry"])
+def test_abort_s_and_telemetry_timeouts_bound_an_engine_that_never_answers(call: str) -> None:
+    async def scenario() -> None:
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(65536)
+            await asyncio.sleep(30)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = EngineClient(connect_timeout_s=1, verify_timeout_s=1, abort_timeout_s=0.3)
+        started = time.monotonic()
+        if call == "abort":
+            assert await client.abort(url, "kvg-x") is False
+        else:
+            with pytest.raises(EngineTimeout):
+                await client.get(url, "/server_info", timeout_s=0.3)
+        assert 0.25 < time.monotonic() - started < 2
+        await client.close()
+        server.close()
+    _run(scenario())

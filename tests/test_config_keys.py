@@ -1,0 +1,174 @@
+"""Every key of config/kvgate.example.yaml works: each is exercised by a test that would fail if the gateway ignored
+it. The registry below names that test for every key; the tests further down cover the keys no other module does."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import yaml
+
+from gateway.admission.chat_template import ChatTemplate
+from gateway.admission.tokenizer import ModelTokenizer
+from loadtests.engine.harness import EnginePair, start_pair
+from tests.engine_records import inject, wait_for
+from tests.gateway_harness import GLM5_TEMPLATE, GLM5_TOKENIZER, ROOT, RunningGateway, model_entry, \
+    running_gateway, write_config
+
+# key → "file::test" that fails when the key is ignored.
+KEY_TESTS = {
+    "listen.host": "tests/test_gateway_admission.py::test_health_and_readiness",
+    "listen.port": "tests/test_gateway_admission.py::test_health_and_readiness",
+    "timeouts.connect_s": "tests/routing/test_engine_client.py::test_connect_s_bounds_a_connection_that_is_never_accepted",
+    "timeouts.prefill_s": "tests/gateway/test_lifecycle_matrix.py::test_timeouts_in_each_phase_end_with_504_and_abort",
+    "timeouts.first_token_s": "tests/test_gateway_lifecycle.py::test_decode_that_never_answers_times_out_with_504",
+    "timeouts.idle_s": "tests/gateway/test_lifecycle_matrix.py::test_timeouts_in_each_phase_end_with_504_and_abort",
+    "timeouts.total_s": "tests/gateway/test_lifecycle_matrix.py::test_total_timeout_fails_a_slow_but_alive_stream",
+    "timeouts.abort_s": "tests/routing/test_engine_client.py::test_abort_s_and_telemetry_timeouts_bound_an_engine_that_never_answers",
+    "timeouts.client_body_s": "tests/gateway/test_leak_classes.py::test_a_body_that_never_finishes_is_timed_out_with_408",
+    "gate.startup_timeout_s": "tests/test_kv_gate.py::test_unreachable_worker_is_retried_until_the_startup_timeout_then_refused",
+    "gate.start_anyway": "tests/test_kv_gate.py::test_refused_model_answers_503_when_configured_to_start_anyway",
+    "health.interval_s": "tests/test_kv_gate.py::test_telemetry_is_polled_every_interval_without_traffic",
+    "health.timeout_s": "tests/routing/test_engine_client.py::test_abort_s_and_telemetry_timeouts_bound_an_engine_that_never_answers",
+    "health.failure_threshold": "tests/routing/test_workers.py::test_health_flips_only_after_the_configured_number_of_reads_in_a_row",
+    "health.success_threshold": "tests/routing/test_workers.py::test_health_flips_only_after_the_configured_number_of_reads_in_a_row",
+    "max_body_bytes": "tests/test_gateway_admission.py::test_body_over_the_cap_is_refused_before_it_is_read",
+    "max_header_bytes": "tests/test_gateway_admission.py::test_header_floods_get_431_before_they_are_buffered",
+    "max_headers": "tests/test_gateway_admission.py::test_header_floods_get_431_before_they_are_buffered",
+    "max_connections": "tests/test_gateway_admission.py::test_connections_beyond_max_connections_get_503",
+    "token_cache_bytes": "tests/test_config_keys.py::test_token_cache_bytes_bounds_the_count_cache",
+    "admission_workers": "tests/test_config_keys.py::test_admission_workers_share_large_bodies_by_tenant",
+    "models.name": "tests/test_gateway_admission.py::test_models_endpoint_reports_the_effective_limit",
+    "models.tokenizer": "tests/test_gateway_admission.py::test_chat_count_equals_the_engines",
+    "models.chat_template": "tests/test_config_keys.py::test_the_configured_chat_template_is_the_one_rendered_and_counted",
+    "models.context_length": "tests/test_gateway_admission.py::test_prompt_plus_max_tokens_reaching_context_gets_413",
+    "models.max_prompt_tokens": "tests/test_gateway_admission.py::test_chat_prompt_one_over_the_limit_gets_413_and_reaches_no_engine",
+    "models.default_max_tokens": "tests/test_config_keys.py::test_default_and_maximum_output_tokens",
+    "models.max_output_tokens": "tests/test_config_keys.py::test_default_and_maximum_output_tokens",
+    "models.on_pool_mismatch": "tests/test_kv_gate.py::test_clamp_moves_the_413_boundary_to_the_smallest_pool",
+    "models.min_engine_version": "tests/test_kv_gate.py::test_old_engine_is_warned_by_default_and_refused_when_strict",
+    "models.on_old_engine": "tests/test_kv_gate.py::test_old_engine_is_warned_by_default_and_refused_when_strict",
+    "models.release": "tests/test_config_keys.py::test_release_immediate_relays_before_verification_verified_does_not",
+    "models.chat_template_kwargs": "tests/test_config_keys.py::test_chat_template_kwargs_lists_the_keys_a_client_may_send",
+    "models.prefill.url": "tests/test_gateway_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
+    "models.prefill.bootstrap_port": "tests/test_gateway_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
+    "models.decode.url": "tests/test_gateway_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
+}
+
+
+def _keys(node: Any, prefix: str = "") -> set[str]:
+    if isinstance(node, list):
+        return set().union(*(_keys(item, prefix) for item in node)) if node else set()
+    if not isinstance(node, dict):
+        return {prefix.rstrip(".")}
+    return set().union(*(_keys(value, f"{prefix}{key}.") for key, value in node.items()))
+
+
+def test_every_key_of_the_example_config_names_a_test_that_exists() -> None:
+    example = yaml.safe_load((ROOT / "config/kvgate.example.yaml").read_text())
+    assert _keys(example) == set(KEY_TESTS)
+    for key, reference in KEY_TESTS.items():
+        path, name = reference.split("::")
+        tree = ast.parse((ROOT / path).read_text())
+        assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, (key, reference)
+
+
+# ── the keys no other module covers ───────────────────────────────────────────────────────────────────────────
+CUSTOM_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if shout %} LOUD{% endif %}"
+                   "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("template") / "custom.jinja"
+    path.write_text(CUSTOM_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(template_file: Path) -> Iterator[EnginePair]:
+    with start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5", version="0.5.23",
+                    chat_template=str(template_file)) as engines:
+        yield engines
+
+
+@pytest.fixture(scope="module")
+def gateway(pair: EnginePair, template_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    def model(name: str, **overrides: Any) -> dict[str, Any]:
+        return model_entry(name, [pair.prefill], [pair.decode], chat_template=str(template_file), **overrides)
+
+    config = write_config(tmp_path_factory.mktemp("gw"), [
+        model("custom", default_max_tokens=3, max_output_tokens=50),
+        model("custom-narrow", chat_template_kwargs=[]),
+        model("custom-immediate", release="immediate"),
+    ], token_cache_bytes=0, admission_workers=2)
+    with running_gateway(config) as running:
+        yield running
+
+
+@pytest.fixture()
+def client(gateway: RunningGateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
+        yield http
+
+
+def _chat(model: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hello there"}], **extra}
+
+
+def test_the_configured_chat_template_is_the_one_rendered_and_counted(client: httpx.Client) -> None:
+    response = client.post("/v1/chat/completions", json=_chat("custom", max_tokens=2))
+    assert response.status_code == 200, response.text
+    counted = int(response.headers["x-kvgate-prompt-tokens"])
+    assert counted == response.json()["usage"]["prompt_tokens"]
+    tokenizer = ModelTokenizer.load(GLM5_TOKENIZER)
+    glm = ChatTemplate.for_tokenizer(GLM5_TOKENIZER, GLM5_TEMPLATE).render([{"role": "user", "content": "hello there"}])
+    assert counted != len(tokenizer.tokenizer.encode(glm, add_special_tokens=False).ids)
+
+
+def test_chat_template_kwargs_lists_the_keys_a_client_may_send(client: httpx.Client) -> None:
+    loud = client.post("/v1/chat/completions", json=_chat("custom", max_tokens=2, chat_template_kwargs={"shout": True}))
+    assert loud.status_code == 200 and int(loud.headers["x-kvgate-prompt-tokens"]) == loud.json()["usage"]["prompt_tokens"]
+    narrow = client.post("/v1/chat/completions", json=_chat("custom-narrow", chat_template_kwargs={"shout": True}))
+    assert narrow.status_code == 400 and "shout" in narrow.json()["error"]["message"]
+
+
+def test_default_and_maximum_output_tokens(client: httpx.Client) -> None:
+    response = client.post("/v1/chat/completions", json=_chat("custom"))
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+    assert client.post("/v1/chat/completions", json=_chat("custom", max_tokens=51)).status_code == 400
+    assert client.post("/v1/chat/completions", json=_chat("custom", max_tokens=50)).status_code == 200
+
+
+@pytest.mark.parametrize(("model", "released"), [("custom-immediate", True), ("custom", False)])
+def test_release_immediate_relays_before_verification_verified_does_not(
+        client: httpx.Client, pair: EnginePair, model: str, released: bool) -> None:
+    # Decode's first event (the role chunk) carries no count; its first content chunk carries a wrong one.
+    inject(pair.decode, action="miscount", offset=2, path="/v1/chat/completions", count=1)
+    with client.stream("POST", "/v1/chat/completions", json=_chat(model, max_tokens=8, stream=True)) as response:
+        body = response.read()
+    if released:
+        assert response.status_code == 200 and body.startswith(b"data: {")
+        assert b"prompt_token_mismatch" in body and b"[DONE]" not in body
+    else:
+        assert response.status_code == 502 and orjson.loads(body)["error"]["code"] == "prompt_token_mismatch"
+
+
+def test_token_cache_bytes_bounds_the_count_cache(client: httpx.Client) -> None:
+    for n in range(3):
+        client.post("/v1/completions", json={"model": "custom", "prompt": f"{n} " + "words " * 400, "max_tokens": 1})
+    assert 'kvgate_token_cache_bytes{model="custom"} 0.0' in client.get("/metrics").text
+
+
+def test_admission_workers_share_large_bodies_by_tenant(client: httpx.Client, gateway: RunningGateway) -> None:
+    large = {"model": "custom", "prompt": " " * 100_000, "max_tokens": 1}  # > 64 KiB, few tokens
+    for key in ("tenant-a", "tenant-b", "tenant-c", "tenant-d"):
+        response = client.post("/v1/completions", json=large, headers={"authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+    workers = gateway.gateway.admission_workers
+    assert workers is not None and wait_for(lambda: sum(e is not None for e in workers._executors) == 2)
