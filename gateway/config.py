@@ -37,7 +37,7 @@ class TimeoutsConfig(_Strict):
     idle_s: float = Field(60.0, gt=0, description="longest silence between two decode chunks")
     total_s: float = Field(1800.0, gt=0, description="whole request, end to end")
     abort_s: float = Field(5.0, gt=0, description="one /abort_request call")
-    client_body_s: float = Field(30.0, gt=0, description="a client's whole request body")
+    client_body_s: float = Field(30.0, gt=0, description="a client's request head, then its whole body")
 
 
 class PrefillWorkerConfig(_Strict):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -66,6 +67,41 @@ class Failure:
 
 
 RelayEvent = bytes | Done | ClientGone | Failure  # bytes: one released decode event payload
+
+# Decode payload bytes waiting for a slow client before decode stops reading from the engine (TCP backpressure).
+_RELAY_HIGH_WATER = 1 << 20
+_RELAY_LOW_WATER = 1 << 18
+# An engine's own prompt count inside an event (a key: inside a JSON string every quote is escaped).
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(-?\d+)')
+
+
+class RelayQueue(asyncio.Queue[RelayEvent]):
+    """The exchange → relay channel. It counts the payload bytes it holds, so the decode half can wait for a slow
+    client instead of buffering its whole output in the gateway."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held_bytes = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    def _put(self, item: RelayEvent) -> None:
+        super()._put(item)
+        if isinstance(item, bytes):
+            self.held_bytes += len(item)
+            if self.held_bytes > _RELAY_HIGH_WATER:
+                self._drained.clear()
+
+    def _get(self) -> RelayEvent:
+        item = super()._get()
+        if isinstance(item, bytes):
+            self.held_bytes -= len(item)
+            if self.held_bytes <= _RELAY_LOW_WATER:
+                self._drained.set()
+        return item
+
+    async def drained(self) -> None:
+        await self._drained.wait()
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +202,7 @@ class PDExchange:
         self.timeouts = timeouts
         self.rid = new_rid()
         self.room = rooms.acquire()
-        self.events: asyncio.Queue[RelayEvent] = asyncio.Queue()
+        self.events = RelayQueue()
         self.failure: Failure | None = None
         self.mismatch: PromptMismatch | None = None
         self.client_gone = False
@@ -226,10 +262,38 @@ class PDExchange:
             self.fail(map_engine_error(failed[0]))  # neither half was sent anything
             return
         prefill_link, decode_link = links
+        refusal = self._still_fits()
+        if refusal is not None:
+            prefill_link.release()
+            decode_link.release()
+            self.fail(refusal)
+            return
         prefill_body, decode_body = self._engine_bodies()
         self._sent = True
         self._prefill_task = self._spawn(self._run_prefill(prefill_link, prefill_body, versions[0]))
         self._decode_task = self._spawn(self._run_decode(decode_link, decode_body, versions[1]))
+
+    def _still_fits(self) -> GatewayError | None:
+        """The count admitted earlier, checked again against the engines as verified now, on the connections about
+        to carry it: a limit that dropped while the request was counted or queued (a restart with a smaller pool,
+        another version) must not be met with a prompt admitted under the old one."""
+        admitted = self.admitted
+        for worker in (self.pair.prefill, self.pair.decode):
+            identity = worker.verified
+            counted = admitted.prompt_tokens_for(identity.version) if identity is not None else None
+            if identity is None or counted is None:
+                return GatewayError(503, f"{worker.role} worker {worker.url} changed while the request was admitted",
+                                    code="worker_changed")
+            if counted >= identity.max_req_input_len:
+                return GatewayError(413, f"Prompt is too long: {counted} tokens counted, the {worker.role} engine now "
+                                    f"admits at most {identity.max_req_input_len - 1}.",
+                                    code="context_length_exceeded", param="messages")
+            if worker.role == "decode" and counted + max(admitted.max_new_tokens,
+                                                         identity.reserved_decode_tokens) > identity.pool_tokens:
+                return GatewayError(413, f"Prompt ({counted} tokens) plus output does not fit the decode engine's KV "
+                                    f"pool of {identity.pool_tokens} tokens.", code="context_length_exceeded",
+                                    param="max_tokens")
+        return None
 
     def _engine_bodies(self) -> tuple[tuple[memoryview, bytes], tuple[memoryview, bytes]]:
         """The admitted body plus the gateway-owned fields, spliced in as a second part: the body is neither parsed
@@ -379,6 +443,9 @@ class PDExchange:
             self.fail(map_engine_error(error))
         except EngineError as error:
             self.fail(map_engine_error(error))
+        except Exception:  # an answer this code did not foresee must still end the request, never hang it
+            log.exception("prefill answer for rid=%s could not be handled", self.rid)
+            self.fail(GatewayError(502, "the prefill engine's answer could not be handled", code="prefill_failed"))
         finally:
             if response is not None:
                 response.close()
@@ -402,9 +469,15 @@ class PDExchange:
                 self._on_decode_event(data, worker, version)
                 if first:
                     self._maybe_let_go()
+                if self.events.held_bytes > _RELAY_HIGH_WATER:
+                    await self.events.drained()  # a slow client: stop reading from decode until it catches up
+                    self._watchdog.touch()
+            if self.first_token_at is None:
+                raise EngineBroken("decode", "decode stream ended before its first token")
             if not self._decode_finished:
-                raise EngineBroken("decode", "decode stream ended before its first token" if self.first_token_at
-                                   is None else "decode stream ended without [DONE]")
+                raise EngineBroken("decode", "decode stream ended without [DONE]")
+            if self._release_verified and not self._decode_counted:
+                raise EngineBroken("decode", "decode never reported its prompt token count")
             self._maybe_release()
         except PromptCountMismatch as exc:
             self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
@@ -414,6 +487,10 @@ class PDExchange:
         except asyncio.CancelledError:
             if self.failure is None and not self.client_gone:
                 raise
+        except Exception:  # an answer this code did not foresee must still end the request, never hang it
+            log.exception("decode stream for rid=%s could not be handled", self.rid)
+            self.fail(GatewayError(502, "the decode engine's answer could not be handled", code="decode_failed"))
+            await _parked()
         finally:
             if self._watchdog is not None:
                 self._watchdog.stop()
@@ -425,11 +502,11 @@ class PDExchange:
     def _on_decode_event(self, data: bytes, worker: Worker, version: str) -> None:
         if b'"error"' in data or b'"abort"' in data:
             _parse_result("decode", data)
-        if not self._decode_counted:
-            reported = _reported_prompt_tokens(self.admitted.route, _parse_event(data))
-            if reported is not None:
-                self._verify_count("decode", worker, reported, version)
-                self._decode_counted = True
+        # Every count decode reports is checked, not only the first (a cheap search: no parse per event).
+        match = _PROMPT_TOKENS.search(data)
+        if match is not None:
+            self._verify_count("decode", worker, int(match[1]), version)
+            self._decode_counted = True
         self._emit(data)
 
     async def _abort(self, worker: Worker) -> None:
@@ -488,13 +565,6 @@ def _verified_version(worker: Worker) -> str:
     return identity.version
 
 
-def _parse_event(data: bytes) -> Any:
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise EngineBroken("decode", f"decode sent an event that is not JSON: {data[:200]!r}") from exc
-
-
 def _parse_result(role: Literal["prefill", "decode"], payload: bytes) -> dict[str, Any]:
     """The engine's JSON result; an error or abort inside a 2xx (SGLang 0.5.8 answers 200 for a prompt it
     swapped, and may answer 2xx in its OpenAI error shape) is a rejection."""
@@ -517,7 +587,10 @@ def _parse_result(role: Literal["prefill", "decode"], payload: bytes) -> dict[st
         status = finish.get("status_code") if isinstance(finish.get("status_code"), int) else 502
         raise EngineRejected(role, f"{role} aborted the request: {message}",
                              status=400 if is_length_rejection(message) else status)
-    for choice in parsed.get("choices") or ():
+    choices = parsed.get("choices") or []
+    if not isinstance(choices, list):
+        raise EngineBroken(role, f"{role} answered with malformed choices")
+    for choice in choices:
         if isinstance(choice, dict) and choice.get("finish_reason") == "abort":
             raise EngineRejected(role, f"{role} aborted the request", status=502)
     return parsed

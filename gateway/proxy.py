@@ -203,7 +203,11 @@ async def _relay_whole(exchange: PDExchange, send: Send) -> None:
     while True:
         match await exchange.events.get():
             case bytes() as payload:
-                assembler.add(payload)
+                try:
+                    assembler.add(payload)
+                except (ValueError, TypeError, AttributeError):  # orjson's decode error is a ValueError
+                    exchange.fail(GatewayError(502, "the decode engine sent an event that is not a valid chunk",
+                                               code="decode_failed"))
             case Done():
                 await send_json(send, 200, assembler.body(), _count_header(exchange))
                 return

@@ -1,11 +1,13 @@
 """The HTTP server kvgate runs on: uvicorn with httptools, plus the limits a public edge needs.
 
-uvicorn caps concurrent connections (`limit_concurrency`, beyond it 503) but not the size or number of request
-headers; `GuardedHttpToolsProtocol` adds that, answering 431 before a header flood is buffered.
+uvicorn caps concurrent connections (`limit_concurrency`, beyond it 503) but not the size, number or arrival time of
+request headers; `GuardedHttpToolsProtocol` adds those, answering 431 before a header flood is buffered and 408 to a
+connection that opens and never finishes its request head (else a few idle sockets would hold every connection slot).
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from typing import Any
 
@@ -23,6 +25,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     max_header_bytes = 64 * 1024
     max_headers = 100
+    head_timeout_s = 30.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -30,6 +33,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._header_count = 0
         self._head_too_large = False
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -37,6 +49,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._in_head = True
         self._head_too_large = False
+        if self._head_timer is None:
+            self._arm_head_timer()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
@@ -47,7 +61,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._disarm_head_timer()
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._disarm_head_timer()  # between requests uvicorn's own keep-alive timeout applies
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = asyncio.get_running_loop().call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self.transport.is_closing():
+            self._answer(408, "Request Timeout", "request_timeout",
+                         f"the request head did not arrive within {self.head_timeout_s:g}s")
 
     def data_received(self, data: bytes) -> None:
         if not self._in_head:
@@ -80,18 +113,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self.send_400_response("Invalid HTTP request received.")
 
     def _reject(self) -> None:
-        body = orjson.dumps({"error": {
-            "message": f"request headers exceed the gateway's limits ({self.max_headers} headers, "
-                       f"{self.max_header_bytes} bytes)", "type": "invalid_request_error", "param": None,
-            "code": "headers_too_large"}})
-        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self._answer(431, "Request Header Fields Too Large", "headers_too_large",
+                     f"request headers exceed the gateway's limits ({self.max_headers} headers, "
+                     f"{self.max_header_bytes} bytes)")
+
+    def _answer(self, status: int, reason: str, code: str, message: str) -> None:
+        """An error written straight to the socket (no request reached the app), then the connection is closed."""
+        body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": code}})
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body))
         self.transport.close()
 
 
 def uvicorn_config(app: ASGIApp, config: GatewayConfig, *, log_level: str, loop: str = "uvloop") -> uvicorn.Config:
     protocol = type("GatewayHttpProtocol", (GuardedHttpToolsProtocol,),
-                    {"max_header_bytes": config.max_header_bytes, "max_headers": config.max_headers})
+                    {"max_header_bytes": config.max_header_bytes, "max_headers": config.max_headers,
+                     "head_timeout_s": config.timeouts.client_body_s})
     return uvicorn.Config(app, host=config.listen.host, port=config.listen.port, log_level=log_level,
                           access_log=False, loop=loop, http=protocol, lifespan="on",
                           limit_concurrency=config.max_connections)

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     size = int(args.max_mib * 2**20)
     with tempfile.TemporaryDirectory() as tmp, \
-            start_pair(prefill_pool=4096, decode_pool=4096, context_length=8192, model="glm-5", bug=True) as pair:
+            start_pair(prefill_pool=4096, decode_pool=4608, context_length=8192, model="glm-5", bug=True) as pair:
         config, port = write_config(Path(tmp), pair, max_body_bytes=size + 1024)
         with running_gateway_process(config, port):
             latencies, statuses = measure(port, size, only=set(args.only) if args.only else None)

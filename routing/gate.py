@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from routing.engine_info import Reading
+from routing.engines.identity import EngineIdentity
 from routing.specs import ModelSpec
 from routing.workers import Worker
 
@@ -66,8 +67,8 @@ def judge_model(model: ModelSpec, readings: dict[Worker, Reading], *, startup: b
     if model.on_pool_mismatch == "refuse":
         for judgement in mismatches:
             judgement.problems.append(mismatch_text(judgement, configured))
-    # Safety first, whatever the policy: never admit a prompt some admitted worker's scheduler would abort.
-    admitted_limits = [j.reading.info.identity.max_req_input_len - 1 for j in judgements
+    # Safety first, whatever the policy: never admit a prompt some admitted worker would abort or never schedule.
+    admitted_limits = [safe_prompt_limit(j.worker.role, j.reading.info.identity) for j in judgements
                        if not j.problems and j.reading.info is not None]
     effective = min([configured, *admitted_limits])
     if mismatches and model.on_pool_mismatch == "clamp":
@@ -114,9 +115,21 @@ def _judge_worker(model: ModelSpec, worker: Worker, reading: Reading, configured
         judgement.warnings.append(f"engine context length {context_length} is below the advertised "
                                   f"{model.context_length}")
     # SGLang's max_req_len = min(context - 1, pool - 1) is what the engine holds; its scheduler then keeps 5 more
-    # tokens back. A limit within that reserve is lowered silently; a limit beyond what the pool holds is a mismatch.
-    judgement.pool_mismatch = identity.max_req_input_len + 5 < configured
+    # tokens back. A limit within that reserve is lowered silently; a limit beyond what the pool holds is a mismatch,
+    # and so is a decode pool that cannot hold the limit plus the tokens its prealloc queue reserves for decoding.
+    judgement.pool_mismatch = identity.max_req_input_len + 5 < configured or (
+        worker.role == "decode" and identity.pool_tokens - identity.reserved_decode_tokens < configured)
     return judgement
+
+
+def safe_prompt_limit(role: str, identity: EngineIdentity) -> int:
+    """The longest prompt a worker safely takes: below the scheduler's abort threshold (the path that leaked), and
+    on a decode short enough that prompt + reserved decode tokens fit its pool (else its prealloc queue never
+    schedules it and every request behind it waits: sglang disaggregation/decode.py, DecodePreallocQueue)."""
+    limit = identity.max_req_input_len - 1
+    if role == "decode":
+        limit = min(limit, identity.pool_tokens - identity.reserved_decode_tokens)
+    return limit
 
 
 def _check_same_model(judgements: list[WorkerJudgement]) -> None:
@@ -140,12 +153,15 @@ def mismatch_text(judgement: WorkerJudgement, configured: int, *, name_worker: b
     assert judgement.reading.info is not None
     identity = judgement.reading.info.identity
     who = f"{judgement.worker.role} worker {judgement.worker.url}: " if name_worker else ""
-    return (f"{who}KV pool of {identity.pool_tokens} tokens (max_req_input_len {identity.max_req_input_len}, safe "
-            f"prompt limit {identity.max_req_input_len - 1}) is below the model's limit of {configured} prompt tokens")
+    reserve = (f", {identity.reserved_decode_tokens} reserved for decoding"
+               if judgement.worker.role == "decode" else "")
+    return (f"{who}KV pool of {identity.pool_tokens} tokens (max_req_input_len {identity.max_req_input_len}{reserve}, "
+            f"safe prompt limit {safe_prompt_limit(judgement.worker.role, identity)}) is below the model's limit of "
+            f"{configured} prompt tokens")
 
 
 def safe_limit(judgement: ModelJudgement) -> int | None:
     """The largest limit every mismatched worker safely admits (what clamping would serve), if any mismatch."""
-    limits = [j.reading.info.identity.max_req_input_len - 1 for j in judgement.workers
+    limits = [safe_prompt_limit(j.worker.role, j.reading.info.identity) for j in judgement.workers
               if j.pool_mismatch and j.reading.info is not None]
     return min(limits) if limits else None

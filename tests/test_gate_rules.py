@@ -51,14 +51,25 @@ def test_clamp_moves_limit_to_smallest_max_req_input_len_minus_one() -> None:
 
 
 def test_asymmetric_pools_minimum_wins() -> None:
-    judgement = judge_model(_config(on_pool_mismatch="clamp"), _readings(6000, 3000), startup=True)
+    judgement = judge_model(_config(on_pool_mismatch="clamp"), _readings(3000, 6000), startup=True)
     assert judgement.effective_limit == 3000 - 1 - 5 - 1
+    assert judgement.decode_pool_tokens == 6000
+
+
+def test_a_decode_pool_must_also_hold_the_tokens_its_prealloc_queue_reserves() -> None:
+    # Decode pool 3000: max_req_input_len 2994, but a prompt only schedules when prompt + 512 fits the pool.
+    judgement = judge_model(_config(on_pool_mismatch="clamp"), _readings(6000, 3000), startup=True)
+    assert judgement.effective_limit == 3000 - 512
     assert judgement.decode_pool_tokens == 3000
+    # A pool exactly the size of the context cannot hold a context-sized prompt plus the reserve.
+    exact = judge_model(_config(), _readings(100_000, 8192), startup=True)
+    assert exact.verdict == "refuse" and "512 reserved for decoding" in " ".join(
+        p for j in exact.workers for p in j.problems)
 
 
 def test_explicit_max_prompt_tokens_that_fits_is_no_mismatch() -> None:
-    judgement = judge_model(_config(max_prompt_tokens=4000), _readings(4096, 4096), startup=True)
-    assert judgement.verdict == "pass" and judgement.effective_limit == 4000
+    judgement = judge_model(_config(max_prompt_tokens=3500), _readings(4096, 4096), startup=True)
+    assert judgement.verdict == "pass" and judgement.effective_limit == 3500
 
 
 def test_prefill_reporting_decode_mode_is_refused() -> None:

@@ -56,7 +56,7 @@ def test_a_refused_start_is_one_clear_block_with_no_traceback_naming_each_failin
     assert "Traceback" not in output and "Unclosed" not in output and "Exception" not in output
     # Both pools (4096 and 6000) are below the advertised 8191: each worker is named exactly once.
     assert output.count(small_prefill.prefill.url) == 1 and output.count(small_prefill.decode.url) == 1
-    assert "safe prompt limit 4089" in output and "safe prompt limit 5993" in output
+    assert "safe prompt limit 4089" in output and "safe prompt limit 5488" in output
     assert "max_prompt_tokens: 4089" in output and "on_pool_mismatch: clamp" in output
 
 
@@ -72,7 +72,8 @@ def test_refused_model_answers_503_when_configured_to_start_anyway(small_prefill
 
 
 def test_clamp_moves_the_413_boundary_to_the_smallest_pool(small_prefill: EnginePair, tmp_path: Path) -> None:
-    # Prefill pool 4096 → max_req_input_len 4090 → safe limit 4089; decode pool 6000 → 5993. The minimum wins.
+    # Prefill pool 4096 → max_req_input_len 4090 → safe limit 4089; decode pool 6000 → 6000 - 512 reserved = 5488.
+    # The minimum wins.
     limit = 4089
     config = write_config(tmp_path, [model_entry("glm-5", [small_prefill.prefill], [small_prefill.decode],
                                                  on_pool_mismatch="clamp")])
@@ -147,7 +148,7 @@ def test_worker_restarted_with_a_smaller_pool_is_caught_before_its_next_request(
                 wait_for(lambda: False, timeout_s=0.05)
             assert statuses[-1] == 413 and set(statuses) <= {413, 503}
             assert not [r for r in generation_records(pair.decode) if r["prompt_tokens"] == 5000]
-            assert client.get("/v1/models").json()["data"][0]["max_prompt_tokens"] == 3000 - 1 - 5 - 1
+            assert client.get("/v1/models").json()["data"][0]["max_prompt_tokens"] == 3000 - 512
 
 
 def test_unreachable_worker_is_retried_until_the_startup_timeout_then_refused(tmp_path: Path) -> None:
@@ -201,5 +202,5 @@ def test_telemetry_is_polled_every_interval_without_traffic(tmp_path: Path) -> N
             assert client.get("/v1/models").json()["data"][0]["max_prompt_tokens"] == 8185
             pair.decode.restart(pool_tokens=6000)
             # No request in between: only the periodic read can notice the new pool.
-            assert wait_for(lambda: client.get("/v1/models").json()["data"][0]["max_prompt_tokens"] == 5993,
+            assert wait_for(lambda: client.get("/v1/models").json()["data"][0]["max_prompt_tokens"] == 6000 - 512,
                             timeout_s=3)

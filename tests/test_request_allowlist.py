@@ -80,3 +80,35 @@ def test_fields_that_change_the_computation_are_refused_not_dropped(field: str) 
     with pytest.raises(GatewayError) as caught:
         _parse("/generate", orjson.dumps({"text": "hi", field: "x"}))
     assert caught.value.status == 400 and field in caught.value.message
+
+
+@pytest.mark.parametrize(("extra", "fragment"), [
+    ({"reasoning_effort": []}, "reasoning_effort"),
+    ({"reasoning_effort": {"x": 1}}, "reasoning_effort"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "varchar(255)"}}}}}]}, "varchar"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": ["string", "string"]}}}]},
+     "repeats"),
+    ({"user": "u" * (2**20 + 1)}, "characters"),
+    ({"stop": ["s" * (2**20 + 1)]}, "characters"),
+])
+def test_values_kvgate_cannot_forward_exactly_or_cheaply_are_400s(extra: dict[str, object], fragment: str) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}
+    with pytest.raises(GatewayError) as caught:
+        _parse("/v1/chat/completions", orjson.dumps(body))
+    assert caught.value.status == 400 and fragment in caught.value.message
+
+
+def test_a_message_name_too_large_to_forward_uncounted_is_refused() -> None:
+    body = {"model": "m", "messages": [{"role": "system", "content": "x", "name": "n" * (2**20 + 1)},
+                                       {"role": "user", "content": "x"}]}
+    with pytest.raises(GatewayError) as caught:
+        _parse("/v1/chat/completions", orjson.dumps(body))
+    assert caught.value.status == 400
+
+
+def test_tools_with_tool_choice_none_are_not_forwarded() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
+            "tools": [{"type": "function", "function": {"name": "f", "description": "d" * 10_000}}]}
+    parsed = _parse("/v1/chat/completions", orjson.dumps(body))
+    assert "tools" not in parsed.fields and "tool_choice" not in parsed.fields

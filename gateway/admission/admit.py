@@ -23,9 +23,6 @@ from gateway.admission.tokenizer import ModelTokenizer
 from gateway.admission.requests import ClientRequest, IdsPrompt, Route, TextPrompt, UsageOptions
 from gateway.errors import bad_request, context_length_exceeded
 
-# Work on inputs up to this size stays on the event loop: cheaper than a thread hop, far below the loop's budget.
-_INLINE_ITEMS = 4096
-_INLINE_CHARS = 64 * 1024
 T = TypeVar("T")
 
 
@@ -77,9 +74,12 @@ class Admission:
         bos = template.special_tokens.get("bos_token")
         self._bos_token_id = tokenizer.token_id(bos) if bos else None
 
-    async def admit(self, request: ClientRequest, *, tenant: str, dialects: frozenset[Dialect]) -> AdmittedRequest:
+    async def admit(self, request: ClientRequest, *, tenant: str, dialects: frozenset[Dialect],
+                    off_loop: bool = False) -> AdmittedRequest:
+        """`off_loop`: render, check ids and serialise in a thread (a large body)."""
         limits = self.limits
-        results = await self._count(request, tenant=tenant, limit=limits.prompt_tokens, dialects=dialects)
+        results = await self._count(request, tenant=tenant, limit=limits.prompt_tokens, dialects=dialects,
+                                    off_loop=off_loop)
         worst = max(results.values(), key=lambda result: result.tokens)
         if worst.tokens > limits.prompt_tokens:
             # An early exit knows only a lower bound: it says so rather than state a count it did not make.
@@ -94,7 +94,7 @@ class Admission:
             fields["sampling_params"] = {**fields["sampling_params"], "max_new_tokens": max_new}
         else:
             fields["max_tokens"] = max_new
-        body = await _maybe_off_loop(orjson.dumps, fields, large=_is_large(request))
+        body = await _maybe_off_loop(orjson.dumps, fields, large=off_loop)
         return AdmittedRequest(request.route, self.model, request.stream, body, counts, max_new, request.usage)
 
     def _output_tokens(self, request: ClientRequest, prompt_tokens: int) -> int:
@@ -122,31 +122,33 @@ class Admission:
         return requested
 
     # ── counting ────────────────────────────────────────────────────────────────────────────────────────────
-    async def _count(self, request: ClientRequest, *, tenant: str, limit: int,
-                     dialects: frozenset[Dialect]) -> dict[Dialect, CountResult]:
+    async def _count(self, request: ClientRequest, *, tenant: str, limit: int, dialects: frozenset[Dialect],
+                     off_loop: bool) -> dict[Dialect, CountResult]:
         prompt = request.prompt
         if isinstance(prompt, IdsPrompt):
             n = len(prompt.ids)
             if n <= limit:  # the length alone decides a refusal, before any id is looked at
-                await _maybe_off_loop(self._check_ids, prompt.ids, large=n > _INLINE_ITEMS)
+                await _maybe_off_loop(self._check_ids, prompt.ids, large=off_loop)
             return dict.fromkeys(dialects, CountResult(n, exact=True))
         if isinstance(prompt, TextPrompt):
             result = await self._count_text(prompt.text, tenant, special=True, limit=limit)
             return dict.fromkeys(dialects, result)
         assert isinstance(prompt, ChatPrompt)
-        large = _is_large(request)
         counts: dict[Dialect, CountResult] = {}
         by_text: dict[tuple[str, str | None], CountResult] = {}
         for dialect in sorted(dialects, key=lambda d: d.value):
-            plan = prompt.plan(dialect, self.chat.content_format)
-            text = await _maybe_off_loop(self._render, plan, large=large)
+            plan, text = await _maybe_off_loop(self._render, prompt, dialect, large=off_loop)
             key = (text, plan.assistant_prefix)
             if key not in by_text:
                 by_text[key] = await self._count_chat(text, plan.assistant_prefix, tenant, limit)
             counts[dialect] = by_text[key]
         return counts
 
-    def _render(self, plan: RenderPlan) -> str:
+    def _render(self, prompt: ChatPrompt, dialect: Dialect) -> tuple[RenderPlan, str]:
+        plan = prompt.plan(dialect, self.chat.content_format)
+        return plan, self._render_plan(plan)
+
+    def _render_plan(self, plan: RenderPlan) -> str:
         """serving_chat.py: _apply_jinja_template — on any failure SGLang retries once with the tools reshaped."""
         try:
             return self._render_once(plan, plan.tools)
@@ -172,7 +174,7 @@ class Admission:
         appended = await self._count_text(prefix, tenant, special=True, limit=limit - rendered.tokens)
         tokens = rendered.tokens + appended.tokens
         if self._bos_token_id is not None and appended.exact and await _maybe_off_loop(
-                self._first_id, prefix, large=len(prefix) > _INLINE_CHARS) == self._bos_token_id:
+                self._first_id, prefix, large=len(prefix) > 4096) == self._bos_token_id:
             tokens -= 1
         return CountResult(tokens, exact=appended.exact)
 
@@ -191,17 +193,6 @@ class Admission:
         for token in ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 raise bad_request(f"token ids must be integers in [0, {vocab}); got {token!r}")
-
-
-def _is_large(request: ClientRequest) -> bool:
-    prompt = request.prompt
-    if isinstance(prompt, ChatPrompt):
-        return len(prompt.messages) > 64 or any(
-            len(m["content"]) > _INLINE_CHARS // 8 if isinstance(m["content"], str) else len(m["content"]) > 64
-            for m in prompt.messages)
-    if isinstance(prompt, TextPrompt):
-        return len(prompt.text) > _INLINE_CHARS
-    return len(prompt.ids) > _INLINE_ITEMS
 
 
 async def _maybe_off_loop(function: Callable[..., T], *args: Any, large: bool) -> T:

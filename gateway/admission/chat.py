@@ -36,8 +36,10 @@ _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 MAX_MESSAGES = 65_536
 MAX_TOOLS = 8_192
+_JSON_SCHEMA_TYPES = frozenset({"null", "boolean", "object", "array", "number", "string", "integer"})
 MAX_JSON_DEPTH = 32
 MAX_JSON_NODES = 65_536  # objects, arrays and values in one free-form field (tool schemas, kwargs, formats)
+MAX_FIELD_CHARS = 1 << 20  # characters of text in one field that is not the prompt itself
 
 
 def default_template_kwargs(variables_read: frozenset[str]) -> frozenset[str]:
@@ -80,7 +82,7 @@ class ChatPrompt:
     def forwarded(self) -> dict[str, Any]:
         """The prompt-shaping fields of the engine body, in the reduced form."""
         body: dict[str, Any] = {"messages": self.messages}
-        if self.tools:
+        if self.tools and self.tool_choice != "none":  # with "none" SGLang neither renders nor parses them
             body["tools"] = self.tools
             body["tool_choice"] = self.tool_choice
         if self.template_kwargs:
@@ -176,9 +178,7 @@ def _message(index: int, raw: Any) -> dict[str, Any]:
     for key in ("tool_call_id", "name", "reasoning_content"):
         value = raw.get(key)
         if value is not None:
-            if not isinstance(value, str):
-                raise bad_request(f"{where}.{key} must be a string", param="messages")
-            message[key] = value
+            message[key] = _text(value, f"{where}.{key}")
     calls = raw.get("tool_calls")
     if calls is not None:
         if not isinstance(calls, list):
@@ -211,13 +211,13 @@ def _tool_call(where: str, raw: Any) -> dict[str, Any]:
         raise bad_request(f"{where}.type must be 'function'", param="messages")
     call: dict[str, Any] = {"type": "function"}
     if raw.get("id") is not None:
-        call["id"] = _typed(raw["id"], str, f"{where}.id")
+        call["id"] = _text(raw["id"], f"{where}.id")
     if raw.get("index") is not None:
         call["index"] = _integer(raw["index"], f"{where}.index")
     function = raw["function"]
     reduced: dict[str, Any] = {}
     if function.get("name") is not None:
-        reduced["name"] = _typed(function["name"], str, f"{where}.function.name")
+        reduced["name"] = _text(function["name"], f"{where}.function.name")
     arguments = function.get("arguments")
     if arguments is not None:
         if not isinstance(arguments, (str, dict)):
@@ -254,6 +254,7 @@ def _tool(index: int, raw: Any) -> dict[str, Any]:
             function[key] = _typed(value, str, f"{where}.function.{key}")
         elif key == "parameters":
             _check_depth(value, f"{where}.function.parameters")
+            _check_schema_types(value, f"{where}.function.parameters")
             function[key] = value
         elif key == "strict":
             function[key] = _lax_bool(value, f"{where}.function.strict")
@@ -300,7 +301,7 @@ def _template_kwargs(raw: Any, allowed: frozenset[str]) -> dict[str, Any]:
 def _reasoning_effort(raw: Any) -> str | None:
     if raw is None:
         return None
-    if raw not in _REASONING_EFFORTS:
+    if not isinstance(raw, str) or raw not in _REASONING_EFFORTS:
         raise bad_request("reasoning_effort must be low, medium or high", param="reasoning_effort")
     return raw
 
@@ -380,6 +381,16 @@ def _lax_bool(value: Any, name: str) -> bool:
     raise bad_request(f"{name} must be a boolean", param=name.split(".")[0].split("[")[0])
 
 
+def _text(value: Any, name: str) -> str:
+    """A string field beside the content: templates may not render it, so its size is capped, not counted."""
+    if not isinstance(value, str):
+        raise bad_request(f"{name} must be a string", param=name.split(".")[0].split("[")[0])
+    if len(value) > MAX_FIELD_CHARS:
+        raise bad_request(f"{name} holds more than {MAX_FIELD_CHARS} characters",
+                          param=name.split(".")[0].split("[")[0])
+    return value
+
+
 def _typed(value: Any, kind: type, name: str) -> Any:
     if not isinstance(value, kind):
         raise bad_request(f"{name} must be a {kind.__name__}", param=name.split(".")[0].split("[")[0])
@@ -392,6 +403,24 @@ def _integer(value: Any, name: str) -> int:
     return value
 
 
+def _check_schema_types(schema: Any, name: str) -> None:
+    """SGLang 0.5.22+ rewrites non-standard `"type"` names in tool schemas ("varchar", "int", duplicates in a type
+    list) before rendering them (function_call/utils.py: normalize_json_schema_types); 0.5.8 renders them as sent.
+    Only schemas the rewrite leaves untouched render alike in every version: others are refused."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            kind = node.get("type")
+            types = kind if isinstance(kind, list) else [kind] if isinstance(kind, str) else []
+            if any(t not in _JSON_SCHEMA_TYPES for t in types) or len(set(map(str, types))) != len(types):
+                raise bad_request(f"{name}: type {kind!r} is not a standard JSON Schema type (or repeats one)",
+                                  param="tools")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
 def _check_depth(value: Any, name: str) -> None:
     """Free-form JSON the gateway forwards must stay small and shallow enough to render and re-serialise."""
     problem = free_form_problem(value)
@@ -402,7 +431,7 @@ def _check_depth(value: Any, name: str) -> None:
 def free_form_problem(value: Any) -> str | None:
     """Why JSON `value` is too deep or too large to forward, or None (iterative: no recursion limit to hit)."""
     stack = [(value, 1)]
-    nodes = 0
+    nodes = chars = 0
     while stack:
         item, depth = stack.pop()
         nodes += 1
@@ -411,7 +440,12 @@ def free_form_problem(value: Any) -> str | None:
         if nodes > MAX_JSON_NODES:
             return f"holds more than {MAX_JSON_NODES} JSON values"
         if isinstance(item, dict):
+            chars += sum(len(key) for key in item)
             stack.extend((child, depth + 1) for child in item.values())
         elif isinstance(item, list):
             stack.extend((child, depth + 1) for child in item)
+        elif isinstance(item, str):
+            chars += len(item)
+        if chars > MAX_FIELD_CHARS:
+            return f"holds more than {MAX_FIELD_CHARS} characters"
     return None

@@ -2,29 +2,27 @@
 
 A thread that never releases the GIL makes the event loop wait out the interpreter's 5 ms switch interval
 each time it wants to run, and with several such threads it can lose that race repeatedly (tens of ms).
+
+The hand-over is `time.sleep(0)`: it leaves the GIL free for Linux's timer slack (~60 µs), long enough for the
+waiting thread to wake and take it. A shorter release (`os.sched_yield`, ~1 µs) is re-taken before the waiter
+wakes, and, repeated often, keeps resetting the waiter's 5 ms timer: the event loop then starves for seconds.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterator
-from functools import partial
 
 YIELD_CHARS = 1 << 17  # characters of linear C work (slicing, encoding, hashing) between hand-overs: ≲ 0.3 ms
-YIELD_S = 0.0005  # the longest a pure-Python loop holds the GIL before handing it over
+YIELD_S = 0.001  # the longest a loop holds the GIL before handing it over (each hand-over costs ~60 µs)
 # Characters one regex call scans: ≲ 1 ms even where every position starts a partial match.
 SCAN_CHARS = 1 << 14
 
 
-# Each releases the GIL for a moment. `sched_yield` costs ~1 µs, `time.sleep(0)` Linux's timer slack (~60 µs).
-_release_gil = getattr(os, "sched_yield", None) or partial(time.sleep, 0)
-
-
 def yield_gil() -> None:
     """Release and re-take the GIL, letting a waiting thread (the event loop) run first."""
-    _release_gil()
+    time.sleep(0)
 
 
 class Pacer:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from gateway.admission.gil import YIELD_CHARS, yield_gil
+from gateway.admission.gil import YIELD_CHARS, Pacer
 from gateway.admission.parallel_count import EncodeFailed, encode_lengths
 from gateway.admission.tokenizer import ModelTokenizer
 
@@ -40,9 +40,10 @@ class IsolatedCounter:
             try:
                 proc = self._started()
                 # Slice by slice: one `encode` of it all, or freeing all the slices at once, holds the GIL.
+                pacer = Pacer()
                 for i in range(start, stop, YIELD_CHARS):
                     _send(proc, text[i : min(i + YIELD_CHARS, stop)].encode())
-                    yield_gil()
+                    pacer.step()
                 _send(proc, b"")  # end of text
                 n = _read_int(proc)
                 if n < 0:

@@ -45,17 +45,25 @@ class ModelState:
 
 
 class AdmissionWorkers:
-    """`workers` processes, each admitting one large body at a time; a tenant always uses the same one."""
+    """`workers` processes, each admitting one large body at a time; a tenant always uses the same one. A worker
+    holds at most `MAX_WAITING` bodies in line (each spooled on disk); beyond that new ones get 503 at once."""
+
+    MAX_WAITING = 8
 
     def __init__(self, models: list[ModelConfig], *, workers: int, cache_bytes: int) -> None:
         self._models = models
         self._cache_bytes = cache_bytes
         self._executors: list[ProcessPoolExecutor | None] = [None] * workers
+        self._waiting = [0] * workers
 
     async def admit(self, route: Route, body_path: str, *, tenant: str,
                     state: dict[str, ModelState]) -> AdmittedRequest:
         slot = int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=4).digest(), "big") % len(self._executors)
+        if self._waiting[slot] >= self.MAX_WAITING:
+            raise GatewayError(503, "too many large requests are waiting to be counted; retry shortly",
+                               code="admission_busy")
         executor = self._executor(slot)
+        self._waiting[slot] += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(executor, _admit, route, body_path, tenant, state)
         except BrokenExecutor as exc:
@@ -65,6 +73,8 @@ class AdmissionWorkers:
             executor.shutdown(wait=False, cancel_futures=True)
             raise GatewayError(503, "the admission worker for large requests failed; retry",
                                code="admission_unavailable") from exc
+        finally:
+            self._waiting[slot] -= 1
 
     def close(self) -> None:
         for executor in self._executors:

@@ -3,6 +3,7 @@ small bodies and in an admission worker process for large ones (`gateway.admissi
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
 
@@ -18,6 +19,7 @@ from gateway.config import ModelConfig
 from gateway.errors import GatewayError, bad_request
 
 M = TypeVar("M")
+OFF_LOOP_BYTES = 8 * 1024
 
 
 class AdmittingModel(Protocol):
@@ -37,8 +39,15 @@ async def admit_body(route: Route, raw: bytes, *, tenant: str,
     """`find_model` raises the 404/503 for a model that is unknown or not served."""
     data = decode_json_object(raw)
     model = find_model(requested_model(route, data))
-    request = parse_request(route, data, model.chat_settings)
-    return await model.admission.admit(request, tenant=tenant, dialects=model.dialects())
+    # Above a few KiB, reducing, rendering and checking move to a thread: pure-Python work there lets the loop run
+    # at every GIL hand-over, and no body small enough to stay in this process holds the GIL long in one call.
+    off_loop = len(raw) > OFF_LOOP_BYTES
+    if off_loop:
+        request = await asyncio.get_running_loop().run_in_executor(None, parse_request, route, data,
+                                                                   model.chat_settings)
+    else:
+        request = parse_request(route, data, model.chat_settings)
+    return await model.admission.admit(request, tenant=tenant, dialects=model.dialects(), off_loop=off_loop)
 
 
 def resolve_model(name: str | None, models: Mapping[str, M], unavailable: Callable[[M], str | None]) -> M:

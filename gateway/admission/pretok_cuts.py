@@ -20,7 +20,7 @@ from itertools import islice, pairwise
 
 import tokenizers
 
-from gateway.admission.gil import finditer_sliced, yield_gil
+from gateway.admission.gil import Pacer, finditer_sliced
 
 _WINDOW = 256  # context pre-tokenized on each side of a candidate cut
 _MAX_TRIES = 8  # candidates verified per kind and window before giving up on that stretch of text
@@ -50,10 +50,11 @@ class PieceCutter:
         and `stop`."""
         bounds = [start]
         lo = start + piece_chars
+        pacer = Pacer()
         while lo < stop - piece_chars // 2:
             hi = min(lo + piece_chars, stop)
-            cut = self._find_cut(text, lo, hi, start, stop)
-            yield_gil()
+            cut = self._find_cut(text, lo, hi, start, stop, pacer)
+            pacer.step()
             if cut is None:
                 lo = hi
             else:
@@ -62,12 +63,12 @@ class PieceCutter:
         bounds.append(stop)
         return bounds
 
-    def _find_cut(self, text: str, lo: int, hi: int, start: int, stop: int) -> int | None:
+    def _find_cut(self, text: str, lo: int, hi: int, start: int, stop: int, pacer: Pacer) -> int | None:
         for candidates in _CANDIDATES:
             for m in islice(finditer_sliced(candidates, text, lo, hi, _CANDIDATE_REACH), _MAX_TRIES):
                 if self.verified(text, m.end(), start, stop):
                     return m.end()
-                yield_gil()
+                pacer.step()
         return None
 
     def verified(self, text: str, cut: int, start: int = 0, stop: int | None = None) -> bool:

@@ -221,7 +221,7 @@ def _check_values(body: dict[str, Any], prefix: str) -> None:
     if top_k is not None and not _is_int(top_k):
         raise bad_request(f"{prefix}top_k must be an integer", param=prefix + "top_k")
     for key, value in body.items():
-        problem = free_form_problem(value) if isinstance(value, (dict, list)) else None
+        problem = free_form_problem(value) if isinstance(value, (dict, list, str)) else None
         if problem:
             raise bad_request(f"{prefix}{key} {problem}", param=prefix + key)
 

@@ -17,6 +17,8 @@ class EngineIdentity:
     served_model_name: str | None
     tokenizer_path: str | None
     launch_context_length: int | None  # --context-length as launched (null when the model's default applies)
+    # A decode only schedules a prompt when prompt + max(this, max_new_tokens) fits its pool (prealloc queue).
+    reserved_decode_tokens: int = 512
 
 
 def parse_identity(info: Any) -> EngineIdentity:
@@ -33,4 +35,5 @@ def parse_identity(info: Any) -> EngineIdentity:
         served_model_name=info.get("served_model_name"),
         tokenizer_path=info.get("tokenizer_path"),
         launch_context_length=int(context) if context is not None else None,
+        reserved_decode_tokens=int(info.get("num_reserved_decode_tokens") or 512),
     )

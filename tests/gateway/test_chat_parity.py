@@ -26,7 +26,7 @@ def pairs() -> Iterator[dict[str, EnginePair]]:
     started: dict[str, EnginePair] = {}
     try:
         for version in VERSIONS:
-            started[version] = start_pair(prefill_pool=CONTEXT, decode_pool=CONTEXT, context_length=CONTEXT,
+            started[version] = start_pair(prefill_pool=CONTEXT, decode_pool=2 * CONTEXT, context_length=CONTEXT,
                                           model=f"glm-5-{version}", version=version, bug=True)
         yield started
     finally:

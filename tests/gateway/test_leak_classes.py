@@ -28,7 +28,7 @@ HUGE_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}" + " filler"
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[EnginePair]:
-    with start_pair(prefill_pool=4096, decode_pool=4096, context_length=8192, model="glm-5", version="0.5.8",
+    with start_pair(prefill_pool=4096, decode_pool=4608, context_length=8192, model="glm-5", version="0.5.8",
                     bug=True) as engines:
         yield engines
 
@@ -169,6 +169,18 @@ def test_a_body_that_never_finishes_is_timed_out_with_408(gateway: RunningGatewa
                      b"content-length: 100\r\n\r\n" + b"{" * 52)
         started = time.monotonic()
         answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408") and 0.5 < time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"])
+def test_a_connection_that_never_finishes_its_request_head_is_closed_with_408(
+        gateway: RunningGateway, sent: bytes) -> None:
+    port = int(gateway.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(sent)
+        started = time.monotonic()
+        answer = sock.recv(65536)
+        assert sock.recv(65536) == b""  # closed: the slot is free again
     assert answer.startswith(b"HTTP/1.1 408") and 0.5 < time.monotonic() - started < 5
 
 

@@ -286,3 +286,67 @@ def test_a_half_that_cannot_be_connected_fails_the_request_before_either_half_is
         assert ("released unused", other) in log
         assert not any(kind == "abort" for kind, _ in log)
     _run(scenario)
+
+
+# ── what the hostile review found ────────────────────────────────────────────────────────────────────────────
+def test_a_count_admitted_under_an_old_limit_is_refused_at_dispatch_before_either_half_is_sent() -> None:
+    async def scenario() -> None:
+        run = Run()
+        # Between admission and dispatch the prefill restarted with a small pool and was verified again.
+        run.exchange.pair.prefill.accept(EngineIdentity(4096, 6, 1, "0.5.23", "prefill", "glm-5", "/t", None))
+        run.exchange.start()
+        log = await run.finished()
+        events = run.relayed()
+        assert isinstance(events[0], Failure) and events[0].error.status == 413
+        assert ("request", "prefill") not in log and ("request", "decode") not in log
+    _run(scenario)
+
+
+@pytest.mark.parametrize(("events", "why"), [
+    ([b"[DONE]"], "no first token"),
+    ([orjson.dumps({"text": "x", "meta_info": {"finish_reason": None}}), b"[DONE]"], "no count at all"),
+    ([_event(), _event(tokens=COUNT + 5000), b"[DONE]"], "a later count that differs"),
+])
+def test_a_decode_stream_that_cannot_be_verified_is_a_failure_not_a_200(events: list[bytes], why: str) -> None:
+    async def scenario() -> None:
+        run = Run()
+        await run.start()
+        await run.prefill_answers()
+        run.decode.accept()
+        run.decode.push(*events, END)
+        await run.finished()
+        relayed = run.relayed()
+        assert not any(isinstance(e, Done) for e in relayed), why
+        assert isinstance(relayed[-1], Failure) and relayed[-1].error.status == 502, why
+    _run(scenario)
+
+
+def test_a_prefill_answer_of_an_unforeseen_shape_fails_the_request_instead_of_hanging_it() -> None:
+    async def scenario() -> None:
+        run = Run()
+        await run.start()
+        await run.first_token()
+        run.prefill.accept()
+        run.prefill.push(b'{"choices": 5, "meta_info": {"prompt_tokens": 10}}', END)
+        await run.finished()
+        assert [type(e) for e in run.relayed()] == [Failure]
+    _run(scenario)
+
+
+def test_decode_stops_reading_while_a_slow_client_has_a_megabyte_waiting() -> None:
+    async def scenario() -> None:
+        run = Run()
+        await _reach(run, "mid_stream")
+        big = orjson.dumps({"text": "x" * 100_000, "meta_info": {"prompt_tokens": COUNT}})
+        run.decode.push(*([big] * 40))
+        await asyncio.sleep(0.05)
+        held = run.exchange.events.held_bytes
+        assert 1 << 20 < held < 2 * (1 << 20)  # it stopped just past the high-water mark
+        assert run.decode._items.qsize() > 20  # the rest is still with the engine, unread
+        drained = run.relayed()
+        await asyncio.sleep(0.05)
+        assert len(drained) > 10 and run.decode._items.qsize() < 20  # reading resumed once the client caught up
+        run.decode.push(b"[DONE]", END)
+        run.exchange.disconnect()
+        await run.finished()
+    _run(scenario)

@@ -21,7 +21,7 @@ CASES = {"chat_one_char", "chat_added_tokens", "chat_spaces", "chat_tiny_message
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[EnginePair]:
-    with start_pair(prefill_pool=4096, decode_pool=4096, context_length=8192, model="glm-5", bug=True) as engines:
+    with start_pair(prefill_pool=4096, decode_pool=4608, context_length=8192, model="glm-5", bug=True) as engines:
         yield engines
 
 
