@@ -245,11 +245,6 @@ class PDExchange:
                         loop.call_later(timeouts.total_s, self._total_timeout)]
 
     async def _dispatch(self) -> None:
-        try:
-            versions = (_verified_version(self.pair.prefill), _verified_version(self.pair.decode))
-        except EngineChanged as error:
-            self.fail(map_engine_error(error))
-            return
         links = await asyncio.gather(self.engines.connect(self.pair.prefill), self.engines.connect(self.pair.decode),
                                      return_exceptions=True)
         failed = [link for link in links if isinstance(link, BaseException)]
@@ -262,38 +257,42 @@ class PDExchange:
             self.fail(map_engine_error(failed[0]))  # neither half was sent anything
             return
         prefill_link, decode_link = links
-        refusal = self._still_fits()
-        if refusal is not None:
+        try:
+            prefill_count, decode_count = self._expected_counts()
+        except GatewayError as refusal:
             prefill_link.release()
             decode_link.release()
             self.fail(refusal)
             return
         prefill_body, decode_body = self._engine_bodies()
         self._sent = True
-        self._prefill_task = self._spawn(self._run_prefill(prefill_link, prefill_body, versions[0]))
-        self._decode_task = self._spawn(self._run_decode(decode_link, decode_body, versions[1]))
+        self._prefill_task = self._spawn(self._run_prefill(prefill_link, prefill_body, prefill_count))
+        self._decode_task = self._spawn(self._run_decode(decode_link, decode_body, decode_count))
 
-    def _still_fits(self) -> GatewayError | None:
-        """The count admitted earlier, checked again against the engines as verified now, on the connections about
-        to carry it: a limit that dropped while the request was counted or queued (a restart with a smaller pool,
-        another version) must not be met with a prompt admitted under the old one."""
+    def _expected_counts(self) -> tuple[int, int]:
+        """Each engine's prompt count as the gateway counted it for that engine's version — checked again against
+        the engines as verified now, on the connections about to carry it: a limit that dropped while the request
+        was counted or queued (a restart with a smaller pool, another version) must not be met with a prompt
+        admitted under the old one. Raises the GatewayError to answer instead."""
         admitted = self.admitted
+        counts = []
         for worker in (self.pair.prefill, self.pair.decode):
             identity = worker.verified
             counted = admitted.prompt_tokens_for(identity.version) if identity is not None else None
             if identity is None or counted is None:
-                return GatewayError(503, f"{worker.role} worker {worker.url} changed while the request was admitted",
-                                    code="worker_changed")
+                raise GatewayError(503, f"{worker.role} worker {worker.url} changed while the request was admitted",
+                                   code="worker_changed")
             if counted >= identity.max_req_input_len:
-                return GatewayError(413, f"Prompt is too long: {counted} tokens counted, the {worker.role} engine now "
-                                    f"admits at most {identity.max_req_input_len - 1}.",
-                                    code="context_length_exceeded", param="messages")
+                raise GatewayError(413, f"Prompt is too long: {counted} tokens counted, the {worker.role} engine now "
+                                   f"admits at most {identity.max_req_input_len - 1}.",
+                                   code="context_length_exceeded", param="messages")
             if worker.role == "decode" and counted + max(admitted.max_new_tokens,
                                                          identity.reserved_decode_tokens) > identity.pool_tokens:
-                return GatewayError(413, f"Prompt ({counted} tokens) plus output does not fit the decode engine's KV "
-                                    f"pool of {identity.pool_tokens} tokens.", code="context_length_exceeded",
-                                    param="max_tokens")
-        return None
+                raise GatewayError(413, f"Prompt ({counted} tokens) plus output does not fit the decode engine's KV "
+                                   f"pool of {identity.pool_tokens} tokens.", code="context_length_exceeded",
+                                   param="max_tokens")
+            counts.append(counted)
+        return counts[0], counts[1]
 
     def _engine_bodies(self) -> tuple[tuple[memoryview, bytes], tuple[memoryview, bytes]]:
         """The admitted body plus the gateway-owned fields, spliced in as a second part: the body is neither parsed
@@ -411,20 +410,19 @@ class PDExchange:
             self._done = True
             self.events.put_nowait(Done())
 
-    def _verify_count(self, role: str, worker: Worker, reported: int | None, version: str) -> None:
-        expected = self.admitted.prompt_tokens_for(version)
-        if expected is not None and reported == expected:
+    def _verify_count(self, role: str, worker: Worker, reported: int | None, expected: int) -> None:
+        if reported == expected:
             return
-        self.mismatch = PromptMismatch(role, worker.url, reported, expected if expected is not None else -1)
+        self.mismatch = PromptMismatch(role, worker.url, reported, expected)
         log.error("prompt token mismatch: rid=%s model=%s prefill=%s decode=%s role=%s engine_count=%s "
-                  "gateway_count=%s engine_version=%s", self.rid, self.admitted.model, self.pair.prefill.url,
-                  self.pair.decode.url, role, reported, expected, version)
+                  "gateway_count=%s", self.rid, self.admitted.model, self.pair.prefill.url, self.pair.decode.url,
+                  role, reported, expected)
         raise PromptCountMismatch(
             f"{role} worker {worker.url} reported {reported} prompt tokens where the gateway counted "
             f"{expected}; the request was cancelled before any output was released")
 
     # ── prefill half ────────────────────────────────────────────────────────────────────────────────────────
-    async def _run_prefill(self, link: EngineLink, body: Sequence[bytes | memoryview], version: str) -> None:
+    async def _run_prefill(self, link: EngineLink, body: Sequence[bytes | memoryview], expected: int) -> None:
         worker = self.pair.prefill
         response: EngineStream | None = None
         try:
@@ -432,7 +430,7 @@ class PDExchange:
             payload = await response.body()
             self._prefill_settled.set()
             result = _parse_result("prefill", payload)
-            self._verify_count("prefill", worker, _reported_prompt_tokens(self.admitted.route, result), version)
+            self._verify_count("prefill", worker, _reported_prompt_tokens(self.admitted.route, result), expected)
             self._prefill_ok = True
             self._maybe_release()
             self._maybe_let_go()
@@ -451,7 +449,7 @@ class PDExchange:
                 response.close()
 
     # ── decode half ─────────────────────────────────────────────────────────────────────────────────────────
-    async def _run_decode(self, link: EngineLink, body: Sequence[bytes | memoryview], version: str) -> None:
+    async def _run_decode(self, link: EngineLink, body: Sequence[bytes | memoryview], expected: int) -> None:
         worker = self.pair.decode
         response: EngineStream | None = None
         try:
@@ -466,7 +464,7 @@ class PDExchange:
                 if first:
                     self.first_token_at = time.monotonic()
                     self._watchdog = IdleWatchdog(self.timeouts.idle_s, self._idle_timeout)
-                self._on_decode_event(data, worker, version)
+                self._on_decode_event(data, worker, expected)
                 if first:
                     self._maybe_let_go()
                 if self.events.held_bytes > _RELAY_HIGH_WATER:
@@ -499,13 +497,13 @@ class PDExchange:
             if self.client_gone and self.failure is None and not self._decode_finished:
                 self._spawn(self._abort(worker))
 
-    def _on_decode_event(self, data: bytes, worker: Worker, version: str) -> None:
+    def _on_decode_event(self, data: bytes, worker: Worker, expected: int) -> None:
         if b'"error"' in data or b'"abort"' in data:
             _parse_result("decode", data)
         # Every count decode reports is checked, not only the first (a cheap search: no parse per event).
         match = _PROMPT_TOKENS.search(data)
         if match is not None:
-            self._verify_count("decode", worker, int(match[1]), version)
+            self._verify_count("decode", worker, int(match[1]), expected)
             self._decode_counted = True
         self._emit(data)
 
@@ -556,13 +554,6 @@ async def _stop(task: asyncio.Task[None] | None) -> None:
         return
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-
-
-def _verified_version(worker: Worker) -> str:
-    identity = worker.verified
-    if identity is None:
-        raise EngineChanged(worker.role, f"{worker.role} worker {worker.url} left rotation before dispatch")
-    return identity.version
 
 
 def _parse_result(role: Literal["prefill", "decode"], payload: bytes) -> dict[str, Any]:

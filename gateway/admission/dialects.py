@@ -7,6 +7,7 @@ the rendering for that engine's version (the KV-pool gate reads the version from
 from __future__ import annotations
 
 import enum
+import functools
 import re
 
 
@@ -18,6 +19,7 @@ class Dialect(enum.Enum):
     V0_5_23 = "0.5.23"   # and later: tool functions keep the client's key order, `strict` only when sent
 
 
+@functools.lru_cache(maxsize=64)
 def dialect_for(version: str) -> Dialect:
     parts = tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
     if parts >= (0, 5, 23):
