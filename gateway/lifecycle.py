@@ -206,9 +206,7 @@ class PDExchange:
         self.failure: Failure | None = None
         self.mismatch: PromptMismatch | None = None
         self.client_gone = False
-        self.started_at = time.monotonic()
         self.first_token_at: float | None = None
-        self.released_at: float | None = None
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         prefill_identity = pair.prefill.verified
         counted = admitted.prompt_tokens_for(prefill_identity.version) if prefill_identity else None
@@ -402,7 +400,6 @@ class PDExchange:
         if not self._released and (not self._release_verified
                                    or (self._prefill_ok and (self._decode_counted or self._decode_finished))):
             self._released = True
-            self.released_at = time.monotonic()
             for payload in self._held:
                 self.events.put_nowait(payload)
             self._held.clear()
