@@ -228,6 +228,7 @@ class PDExchange:
         self._prefill_task: asyncio.Task[None] | None = None
         self._decode_task: asyncio.Task[None] | None = None
         self._sent = False
+        self._links: Sequence[EngineLink] = ()
         self._timers: list[asyncio.TimerHandle] = []
         self._watchdog: IdleWatchdog | None = None
 
@@ -254,7 +255,7 @@ class PDExchange:
                 raise failed[0]
             self.fail(map_engine_error(failed[0]))  # neither half was sent anything
             return
-        prefill_link, decode_link = links
+        prefill_link, decode_link = self._links = links
         try:
             prefill_count, decode_count = self._expected_counts()
         except GatewayError as refusal:
@@ -318,6 +319,8 @@ class PDExchange:
             self._close()
 
     def _close(self) -> None:
+        for link in self._links:
+            link.release()  # a half cancelled before it ran never used its connection: back to the pool
         for timer in self._timers:
             timer.cancel()
         if self._watchdog is not None:

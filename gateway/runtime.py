@@ -14,7 +14,6 @@ from gateway.admission.pipeline import admit_body, build_admission, resolve_mode
 from gateway.admission.requests import Route
 from gateway.body import RequestBody
 from gateway.config import GatewayConfig, ModelConfig
-from gateway.errors import GatewayError
 from gateway.lifecycle import ExchangeRegistry, PDExchange, RoomAllocator
 from gateway.telemetry.metrics import GatewayMetrics
 from routing.engines.client import EngineClient

@@ -1,4 +1,35 @@
+"""Fixtures shared across the suite: the real GLM-5 tokenizer and chat template, and one standard emulated PD pair."""
+
+from __future__ import annotations
+
 import os
+from collections.abc import Iterator
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from gateway.admission.chat_template import ChatTemplate  # noqa: E402  (after the environment above)
+from gateway.admission.tokenizer import ModelTokenizer  # noqa: E402
+from loadtests.engine.harness import EnginePair, start_pair  # noqa: E402
+from tests.gateway_harness import GLM5_TEMPLATE, GLM5_TOKENIZER  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def glm_tokenizer() -> ModelTokenizer:
+    return ModelTokenizer.load(GLM5_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
+def glm_template() -> ChatTemplate:
+    return ChatTemplate.for_tokenizer(GLM5_TOKENIZER, GLM5_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def glm_pair() -> Iterator[EnginePair]:
+    """GLM-5 on SGLang 0.5.23 with room to spare (pools of 20,000 tokens, context 8,192). Tests that inject faults
+    scope them to their own requests (`count`, `path`) and may `reset` the engines first."""
+    with start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5",
+                    version="0.5.23") as pair:
+        yield pair

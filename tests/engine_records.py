@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+import aiohttp
 import httpx
+
+from loadtests.engine.harness import EnginePair, naive_pd_request
 
 
 def records(engine: Any, rid: str | None = None) -> list[dict[str, Any]]:
+    """What an engine (or the engine at a URL) recorded, optionally only the rids starting with `rid`."""
+    url = engine if isinstance(engine, str) else engine.url
     params = {"rid": rid} if rid else {}
-    return httpx.get(engine.url + "/emu/requests", params=params, timeout=10).json()["requests"]
+    return httpx.get(url + "/emu/requests", params=params, timeout=10).json()["requests"]
+
+
+def pd_request(pair: EnginePair, path: str, body: dict[str, Any], room: int) -> tuple[tuple[int, bytes],
+                                                                                     tuple[int, bytes]]:
+    """Both halves at once with the same room, as a naive PD router sends them: ((status, body), (status, body))."""
+    async def both() -> tuple[tuple[int, bytes], tuple[int, bytes]]:
+        async with aiohttp.ClientSession() as session:
+            return await naive_pd_request(session, pair, path, body, room)
+
+    return asyncio.run(both())
 
 
 def generation_records(engine: Any) -> list[dict[str, Any]]:

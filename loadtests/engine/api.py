@@ -116,6 +116,8 @@ class GenerationAPI:
             asyncio.get_running_loop().call_later(max(delay, 0.0), eng.abort, gen, CLIENT_DISCONNECTED)
 
         req.conn.on_lost = lost
+        if req.conn.closed_at is not None:  # the client left while the request was being parsed
+            lost()
 
     async def _unary(self, req: Request, fmt: Format, spec: PromptSpec, gen: Gen, extra_first_delay: float) -> None:
         eng, rec = self.engine, gen.rec

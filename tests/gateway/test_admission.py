@@ -12,7 +12,7 @@ import pytest
 
 from gateway.admission.chat_template import ChatTemplate
 from gateway.admission.tokenizer import ModelTokenizer
-from loadtests.engine.harness import EnginePair, start_pair
+from loadtests.engine.harness import EnginePair
 from tests.engine_records import generation_records
 from tests.gateway_harness import GLM5_TEMPLATE, GLM5_TOKENIZER, RunningGateway, model_entry, running_gateway, \
     write_config
@@ -21,10 +21,8 @@ LIMIT = 3000
 
 
 @pytest.fixture(scope="module")
-def pair() -> Iterator[EnginePair]:
-    with start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5",
-                    version="0.5.23") as engines:
-        yield engines
+def pair(glm_pair: EnginePair) -> EnginePair:
+    return glm_pair
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +40,8 @@ def client(gateway: RunningGateway) -> Iterator[httpx.Client]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> ModelTokenizer:
-    return ModelTokenizer.load(GLM5_TOKENIZER)
+def tokenizer(glm_tokenizer: ModelTokenizer) -> ModelTokenizer:
+    return glm_tokenizer
 
 
 def _chat_of_exactly(tokens: int, tokenizer: ModelTokenizer) -> list[dict[str, str]]:

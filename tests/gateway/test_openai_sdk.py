@@ -7,17 +7,15 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from loadtests.engine.harness import start_pair
+from loadtests.engine.harness import EnginePair
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
-    with start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5",
-                    version="0.5.23") as pair:
-        config = write_config(tmp_path_factory.mktemp("gw"), [model_entry("glm-5", [pair.prefill], [pair.decode])])
-        with running_gateway(config) as running:
-            yield running
+def gateway(glm_pair: EnginePair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    config = write_config(tmp_path_factory.mktemp("gw"), [model_entry("glm-5", [glm_pair.prefill], [glm_pair.decode])])
+    with running_gateway(config) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

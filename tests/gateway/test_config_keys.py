@@ -17,47 +17,47 @@ from gateway.admission.chat_template import ChatTemplate
 from gateway.admission.tokenizer import ModelTokenizer
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import inject, wait_for
-from tests.gateway_harness import GLM5_TEMPLATE, GLM5_TOKENIZER, ROOT, RunningGateway, model_entry, \
+from tests.gateway_harness import ROOT, RunningGateway, model_entry, \
     running_gateway, write_config
 
 # key → "file::test" that fails when the key is ignored.
 KEY_TESTS = {
-    "listen.host": "tests/test_gateway_admission.py::test_health_and_readiness",
-    "listen.port": "tests/test_gateway_admission.py::test_health_and_readiness",
+    "listen.host": "tests/gateway/test_admission.py::test_health_and_readiness",
+    "listen.port": "tests/gateway/test_admission.py::test_health_and_readiness",
     "timeouts.connect_s": "tests/routing/test_engine_client.py::test_connect_s_bounds_a_connection_that_is_never_accepted",
     "timeouts.prefill_s": "tests/gateway/test_lifecycle_matrix.py::test_timeouts_in_each_phase_end_with_504_and_abort",
-    "timeouts.first_token_s": "tests/test_gateway_lifecycle.py::test_decode_that_never_answers_times_out_with_504",
+    "timeouts.first_token_s": "tests/gateway/test_lifecycle.py::test_decode_that_never_answers_times_out_with_504",
     "timeouts.idle_s": "tests/gateway/test_lifecycle_matrix.py::test_timeouts_in_each_phase_end_with_504_and_abort",
     "timeouts.total_s": "tests/gateway/test_lifecycle_matrix.py::test_total_timeout_fails_a_slow_but_alive_stream",
     "timeouts.abort_s": "tests/routing/test_engine_client.py::test_abort_s_and_telemetry_timeouts_bound_an_engine_that_never_answers",
     "timeouts.client_body_s": "tests/gateway/test_leak_classes.py::test_a_body_that_never_finishes_is_timed_out_with_408",
-    "gate.startup_timeout_s": "tests/test_kv_gate.py::test_unreachable_worker_is_retried_until_the_startup_timeout_then_refused",
-    "gate.start_anyway": "tests/test_kv_gate.py::test_refused_model_answers_503_when_configured_to_start_anyway",
-    "health.interval_s": "tests/test_kv_gate.py::test_telemetry_is_polled_every_interval_without_traffic",
+    "gate.startup_timeout_s": "tests/routing/test_kv_gate.py::test_unreachable_worker_is_retried_until_the_startup_timeout_then_refused",
+    "gate.start_anyway": "tests/routing/test_kv_gate.py::test_refused_model_answers_503_when_configured_to_start_anyway",
+    "health.interval_s": "tests/routing/test_kv_gate.py::test_telemetry_is_polled_every_interval_without_traffic",
     "health.timeout_s": "tests/routing/test_engine_client.py::test_abort_s_and_telemetry_timeouts_bound_an_engine_that_never_answers",
     "health.failure_threshold": "tests/routing/test_workers.py::test_health_flips_only_after_the_configured_number_of_reads_in_a_row",
     "health.success_threshold": "tests/routing/test_workers.py::test_health_flips_only_after_the_configured_number_of_reads_in_a_row",
-    "max_body_bytes": "tests/test_gateway_admission.py::test_body_over_the_cap_is_refused_before_it_is_read",
-    "max_header_bytes": "tests/test_gateway_admission.py::test_header_floods_get_431_before_they_are_buffered",
-    "max_headers": "tests/test_gateway_admission.py::test_header_floods_get_431_before_they_are_buffered",
-    "max_connections": "tests/test_gateway_admission.py::test_connections_beyond_max_connections_get_503",
-    "token_cache_bytes": "tests/test_config_keys.py::test_token_cache_bytes_bounds_the_count_cache",
-    "admission_workers": "tests/test_config_keys.py::test_admission_workers_share_large_bodies_by_tenant",
-    "models.name": "tests/test_gateway_admission.py::test_models_endpoint_reports_the_effective_limit",
-    "models.tokenizer": "tests/test_gateway_admission.py::test_chat_count_equals_the_engines",
-    "models.chat_template": "tests/test_config_keys.py::test_the_configured_chat_template_is_the_one_rendered_and_counted",
-    "models.context_length": "tests/test_gateway_admission.py::test_prompt_plus_max_tokens_reaching_context_gets_413",
-    "models.max_prompt_tokens": "tests/test_gateway_admission.py::test_chat_prompt_one_over_the_limit_gets_413_and_reaches_no_engine",
-    "models.default_max_tokens": "tests/test_config_keys.py::test_default_and_maximum_output_tokens",
-    "models.max_output_tokens": "tests/test_config_keys.py::test_default_and_maximum_output_tokens",
-    "models.on_pool_mismatch": "tests/test_kv_gate.py::test_clamp_moves_the_413_boundary_to_the_smallest_pool",
-    "models.min_engine_version": "tests/test_kv_gate.py::test_old_engine_is_warned_by_default_and_refused_when_strict",
-    "models.on_old_engine": "tests/test_kv_gate.py::test_old_engine_is_warned_by_default_and_refused_when_strict",
-    "models.release": "tests/test_config_keys.py::test_release_immediate_relays_before_verification_verified_does_not",
-    "models.chat_template_kwargs": "tests/test_config_keys.py::test_chat_template_kwargs_lists_the_keys_a_client_may_send",
-    "models.prefill.url": "tests/test_gateway_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
-    "models.prefill.bootstrap_port": "tests/test_gateway_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
-    "models.decode.url": "tests/test_gateway_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
+    "max_body_bytes": "tests/gateway/test_admission.py::test_body_over_the_cap_is_refused_before_it_is_read",
+    "max_header_bytes": "tests/gateway/test_admission.py::test_header_floods_get_431_before_they_are_buffered",
+    "max_headers": "tests/gateway/test_admission.py::test_header_floods_get_431_before_they_are_buffered",
+    "max_connections": "tests/gateway/test_admission.py::test_connections_beyond_max_connections_get_503",
+    "token_cache_bytes": "tests/gateway/test_config_keys.py::test_token_cache_bytes_bounds_the_count_cache",
+    "admission_workers": "tests/gateway/test_config_keys.py::test_admission_workers_share_large_bodies_by_tenant",
+    "models.name": "tests/gateway/test_admission.py::test_models_endpoint_reports_the_effective_limit",
+    "models.tokenizer": "tests/gateway/test_admission.py::test_chat_count_equals_the_engines",
+    "models.chat_template": "tests/gateway/test_config_keys.py::test_the_configured_chat_template_is_the_one_rendered_and_counted",
+    "models.context_length": "tests/gateway/test_admission.py::test_prompt_plus_max_tokens_reaching_context_gets_413",
+    "models.max_prompt_tokens": "tests/gateway/test_admission.py::test_chat_prompt_one_over_the_limit_gets_413_and_reaches_no_engine",
+    "models.default_max_tokens": "tests/gateway/test_config_keys.py::test_default_and_maximum_output_tokens",
+    "models.max_output_tokens": "tests/gateway/test_config_keys.py::test_default_and_maximum_output_tokens",
+    "models.on_pool_mismatch": "tests/routing/test_kv_gate.py::test_clamp_moves_the_413_boundary_to_the_smallest_pool",
+    "models.min_engine_version": "tests/routing/test_kv_gate.py::test_old_engine_is_warned_by_default_and_refused_when_strict",
+    "models.on_old_engine": "tests/routing/test_kv_gate.py::test_old_engine_is_warned_by_default_and_refused_when_strict",
+    "models.release": "tests/gateway/test_config_keys.py::test_release_immediate_relays_before_verification_verified_does_not",
+    "models.chat_template_kwargs": "tests/gateway/test_config_keys.py::test_chat_template_kwargs_lists_the_keys_a_client_may_send",
+    "models.prefill.url": "tests/gateway/test_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
+    "models.prefill.bootstrap_port": "tests/gateway/test_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
+    "models.decode.url": "tests/gateway/test_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
 }
 
 
@@ -121,14 +121,14 @@ def _chat(model: str, **extra: Any) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": "hello there"}], **extra}
 
 
-def test_the_configured_chat_template_is_the_one_rendered_and_counted(client: httpx.Client) -> None:
+def test_the_configured_chat_template_is_the_one_rendered_and_counted(
+        client: httpx.Client, glm_tokenizer: ModelTokenizer, glm_template: ChatTemplate) -> None:
     response = client.post("/v1/chat/completions", json=_chat("custom", max_tokens=2))
     assert response.status_code == 200, response.text
     counted = int(response.headers["x-kvgate-prompt-tokens"])
     assert counted == response.json()["usage"]["prompt_tokens"]
-    tokenizer = ModelTokenizer.load(GLM5_TOKENIZER)
-    glm = ChatTemplate.for_tokenizer(GLM5_TOKENIZER, GLM5_TEMPLATE).render([{"role": "user", "content": "hello there"}])
-    assert counted != len(tokenizer.tokenizer.encode(glm, add_special_tokens=False).ids)
+    glm = glm_template.render([{"role": "user", "content": "hello there"}])
+    assert counted != len(glm_tokenizer.tokenizer.encode(glm, add_special_tokens=False).ids)
 
 
 def test_chat_template_kwargs_lists_the_keys_a_client_may_send(client: httpx.Client) -> None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any, Iterator
 
-import aiohttp
 import orjson
 import pytest
 
-from loadtests.engine.harness import EnginePair, naive_pd_request, start_pair
+from loadtests.engine.harness import EnginePair, start_pair
+from tests.engine_records import pd_request, records
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -25,21 +24,8 @@ def long_prompt(words: int) -> str:
 
 
 def pd(pair: EnginePair, path: str, body: dict[str, Any], room: int) -> tuple[tuple[int, Any], tuple[int, Any]]:
-    async def go() -> tuple[tuple[int, bytes], tuple[int, bytes]]:
-        async with aiohttp.ClientSession() as s:
-            return await naive_pd_request(s, pair, path, body, room)
-
-    (ps, pb), (ds, db) = asyncio.run(go())
+    (ps, pb), (ds, db) = pd_request(pair, path, body, room)
     return (ps, orjson.loads(pb)), (ds, orjson.loads(db))
-
-
-def records(url: str, rid: str) -> list[dict[str, Any]]:
-    async def go() -> list[dict[str, Any]]:
-        async with aiohttp.ClientSession() as s:
-            async with s.get(f"{url}/emu/requests", params={"rid": rid}) as r:
-                return (await r.json())["requests"]
-
-    return asyncio.run(go())
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,12 @@ import aiohttp
 import orjson
 import pytest
 
-from loadtests.engine.harness import EnginePair, free_port, naive_pd_request, start_pair
+from loadtests.engine.harness import EnginePair, free_port, start_pair
+from tests.engine_records import pd_request, records
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "config" / "models" / "glm-5"
+TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "config" / "models" / "glm-5"
 OPTS = {"health_delay_s": 0, "bootstrap_timeout_s": 1.0, "waiting_timeout_s": 1.0, "disconnect_poll_s": 0.2,
         "stream_abort_delay_s": 0.2}
 
@@ -47,18 +48,6 @@ def call(method: str, url: str, body: Any = None, timeout: float = 10) -> tuple[
 def jcall(method: str, url: str, body: Any = None) -> tuple[int, Any]:
     status, data, _ = call(method, url, body)
     return status, orjson.loads(data) if data else None
-
-
-def pd(pair: EnginePair, path: str, body: dict[str, Any], room: int) -> tuple[tuple[int, bytes], tuple[int, bytes]]:
-    async def go() -> tuple[tuple[int, bytes], tuple[int, bytes]]:
-        async with aiohttp.ClientSession() as s:
-            return await naive_pd_request(s, pair, path, body, room)
-
-    return asyncio.run(go())
-
-
-def records(url: str, rid: str) -> list[dict[str, Any]]:
-    return jcall("GET", f"{url}/emu/requests?rid={rid}")[1]["requests"]
 
 
 def sse_events(body: bytes) -> list[Any]:
@@ -136,7 +125,7 @@ def test_health_metrics_flush(pair: EnginePair) -> None:
 
 def test_generate_shape_and_counting(pair: EnginePair, hf_tokenizer: Any) -> None:
     text = "Hello there, how are you today?"
-    (ps, pb), (ds, db) = pd(pair, "/generate", {"text": text, "sampling_params": {"max_new_tokens": 5}}, room=1)
+    (ps, pb), (ds, db) = pd_request(pair, "/generate", {"text": text, "sampling_params": {"max_new_tokens": 5}}, room=1)
     assert ps == ds == 200
     p, d = orjson.loads(pb), orjson.loads(db)
     assert len(p["output_ids"]) == 1 and p["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
@@ -149,7 +138,7 @@ def test_generate_shape_and_counting(pair: EnginePair, hf_tokenizer: Any) -> Non
 
 def test_generate_stream_is_cumulative(pair: EnginePair) -> None:
     body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4}, "stream": True}
-    (ps, _), (ds, db) = pd(pair, "/generate", body, room=2)
+    (ps, _), (ds, db) = pd_request(pair, "/generate", body, room=2)
     assert ps == ds == 200
     events = sse_events(db)
     assert [len(e["output_ids"]) for e in events] == [1, 2, 3, 4]
@@ -161,7 +150,7 @@ def test_generate_stream_is_cumulative(pair: EnginePair) -> None:
 def test_chat_shapes_and_usage(pair: EnginePair, hf_tokenizer: Any) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
     expected = len(hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"])
-    (ps, _), (ds, db) = pd(pair, "/v1/chat/completions", {"model": "glm-5-emu", "messages": messages,
+    (ps, _), (ds, db) = pd_request(pair, "/v1/chat/completions", {"model": "glm-5-emu", "messages": messages,
                                                           "max_tokens": 6}, room=3)
     assert ps == ds == 200
     d = orjson.loads(db)
@@ -177,7 +166,7 @@ def test_chat_shapes_and_usage(pair: EnginePair, hf_tokenizer: Any) -> None:
 def test_chat_stream_deltas_and_usage_chunk(pair: EnginePair) -> None:
     body = {"messages": [{"role": "user", "content": "count to three"}], "max_tokens": 8, "stream": True,
             "stream_options": {"include_usage": True}}
-    (ps, _), (ds, db) = pd(pair, "/v1/chat/completions", body, room=4)
+    (ps, _), (ds, db) = pd_request(pair, "/v1/chat/completions", body, room=4)
     assert ps == ds == 200
     events = sse_events(db)
     assert all(e["object"] == "chat.completion.chunk" for e in events)
@@ -190,14 +179,14 @@ def test_chat_stream_deltas_and_usage_chunk(pair: EnginePair) -> None:
 
 
 def test_completions_shapes(pair: EnginePair, hf_tokenizer: Any) -> None:
-    (ps, _), (ds, db) = pd(pair, "/v1/completions", {"prompt": "Once upon a time"}, room=5)
+    (ps, _), (ds, db) = pd_request(pair, "/v1/completions", {"prompt": "Once upon a time"}, room=5)
     assert ps == ds == 200
     d = orjson.loads(db)
     assert d["object"] == "text_completion" and set(d["choices"][0]) >= {"index", "text", "logprobs",
                                                                          "finish_reason"}
     assert d["usage"]["completion_tokens"] == 16  # CompletionRequest.max_tokens default
     assert d["usage"]["prompt_tokens"] == len(hf_tokenizer("Once upon a time")["input_ids"])
-    (ps, _), (ds, db) = pd(pair, "/v1/completions", {"prompt": "Once", "max_tokens": 3, "stream": True}, room=6)
+    (ps, _), (ds, db) = pd_request(pair, "/v1/completions", {"prompt": "Once", "max_tokens": 3, "stream": True}, room=6)
     events = sse_events(db)
     assert len(events) == 3 and events[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -352,7 +341,7 @@ def test_fault_refuse_bootstrap(pair: EnginePair) -> None:
     status, body = jcall("POST", pair.decode.url + "/generate", {"text": "hi", **pair.bootstrap_fields(92)})
     assert status == 500 and "Could not fetch prefill parallel info" in body["message"]
     jcall("POST", pair.prefill.url + "/emu/reset")
-    (ps, _), (ds, _) = pd(pair, "/generate", {"text": "hi"}, room=93)
+    (ps, _), (ds, _) = pd_request(pair, "/generate", {"text": "hi"}, room=93)
     assert ps == ds == 200
 
 
