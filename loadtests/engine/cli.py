@@ -85,7 +85,7 @@ async def serve(cfg: EngineConfig) -> None:
     await stop.wait()
     engine.links.close()
     engine.rooms.close_channels()
-    engine.tok.chat.close()
+    engine.tok.close()
     for s in servers:
         await s.close()
 

@@ -133,8 +133,8 @@ class Engine:
             room = self.rooms.room_for_request(room_id)
             gen.queue = "bootstrap"
             try:
-                remaining = cfg.bootstrap_timeout_s - (time.time() - gen.rec.arrival)
-                async with asyncio.timeout(max(0.0, remaining)):
+                # The timer starts when the request enters the bootstrap queue, after tokenization, as in SGLang.
+                async with asyncio.timeout(cfg.bootstrap_timeout_s):
                     claim = await room.claim
             except TimeoutError:
                 self.metrics.bootstrap_failed.inc()

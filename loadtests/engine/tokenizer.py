@@ -17,6 +17,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import orjson
+import tokenizers
+
 from .chat_prompt import ChatPrompt
 from .chat_template import ChatTemplate, detect_content_format
 from .dialect import Dialect
@@ -62,6 +65,19 @@ def prepare_tokenizer_dir(tokenizer: str, chat_template: str | None) -> Path:
     return out
 
 
+def _default_template(folder: Path) -> str | None:
+    """The template AutoTokenizer would load: chat_template.jinja, else tokenizer_config.json's (the first of
+    named templates, as SGLang takes it)."""
+    beside = folder / "chat_template.jinja"
+    if beside.is_file():
+        return beside.read_text()
+    config = folder / "tokenizer_config.json"
+    template = orjson.loads(config.read_bytes()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict)), None)
+    return template if isinstance(template, str) else None
+
+
 def _explicit_template(path: str) -> tuple[str, str]:
     """sglang template_manager: TemplateManager._load_jinja_template. Returns (text to detect the content format
     on, template to render with): outer newlines stripped, then each literal backslash-n made a newline."""
@@ -70,24 +86,41 @@ def _explicit_template(path: str) -> tuple[str, str]:
 
 
 class PromptTokenizer:
+    """Text prompts are encoded with the raw `tokenizers` backend (the same ids as AutoTokenizer's for every
+    tokenizer shipped here); transformers, slow to import, is loaded only once a chat request needs its template."""
+
     def __init__(self, tokenizer: str, chat_template: str | None, dialect: Dialect) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        from transformers import AutoTokenizer  # slow import, done once per process
-
         self.path = str(prepare_tokenizer_dir(tokenizer, chat_template))
-        self.hf = AutoTokenizer.from_pretrained(self.path)
-        self.backend = self.hf.backend_tokenizer
+        self.backend = tokenizers.Tokenizer.from_file(str(Path(self.path) / "tokenizer.json"))
+        self.backend.no_truncation()
+        self.backend.no_padding()
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
         self._cache: OrderedDict[Any, list[int]] = OrderedDict()
-        if chat_template is not None:
-            detect_on, self.hf.chat_template = _explicit_template(chat_template)
-        else:
-            if isinstance(self.hf.chat_template, dict):  # named templates: SGLang takes the first
-                self.hf.chat_template = next(iter(self.hf.chat_template.values()))
-            detect_on = self.hf.chat_template
+        self._dialect = dialect
+        self._explicit = _explicit_template(chat_template) if chat_template is not None else None
+        detect_on = self._explicit[0] if self._explicit is not None else _default_template(Path(self.path))
         self.content_format = detect_content_format(detect_on) if isinstance(detect_on, str) else "string"
-        self.chat = ChatTemplate(self.hf, self.path, dialect)
+        self._chat: ChatTemplate | None = None
+
+    @property
+    def chat(self) -> ChatTemplate:
+        """The chat-template calls, with transformers' tokenizer loaded on first use."""
+        if self._chat is None:
+            from transformers import AutoTokenizer  # slow import: only engines that serve chats pay it
+
+            hf = AutoTokenizer.from_pretrained(self.path)
+            if self._explicit is not None:
+                hf.chat_template = self._explicit[1]
+            elif isinstance(hf.chat_template, dict):  # named templates: SGLang takes the first
+                hf.chat_template = next(iter(hf.chat_template.values()))
+            self._chat = ChatTemplate(hf, self.path, self._dialect)
+        return self._chat
+
+    def close(self) -> None:
+        if self._chat is not None:
+            self._chat.close()
 
     # counting
     async def encode_text(self, text: str) -> list[int]:
@@ -103,7 +136,8 @@ class PromptTokenizer:
         if hit is not None:
             self._cache.move_to_end(key)
             return hit
-        ids = await self.chat.ids(prompt)
+        chat = self._chat or await asyncio.get_running_loop().run_in_executor(None, lambda: self.chat)
+        ids = await chat.ids(prompt)
         if len(key[1]) <= _CACHE_MAX_CHARS:
             self._remember(key, ids)
         return ids
