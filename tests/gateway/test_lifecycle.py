@@ -31,6 +31,13 @@ def gateway(pair: EnginePair, tmp_path_factory: pytest.TempPathFactory) -> Itera
     config = write_config(tmp_path_factory.mktemp("gw"), [model_entry("glm-5", [pair.prefill], [pair.decode],
                                                                       context_length=16384)],
                           timeouts={"first_token_s": 3.0, "idle_s": 2.0, "prefill_s": 5.0})
+    # The emulator loads its chat template on its first chat; keep that out of the timed tests (each engine alone,
+    # on SGLang's fake transfer backend: no timeout of the gateway's applies).
+    for engine in (pair.prefill, pair.decode):
+        warm = httpx.post(engine.url + "/v1/chat/completions", timeout=60, json={
+            "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "bootstrap_host": "2.2.2.2",
+            "bootstrap_room": 0})
+        assert warm.status_code == 200, warm.text
     with running_gateway(config) as running:
         yield running
 
