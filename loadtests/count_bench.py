@@ -20,8 +20,12 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
+import sys
 import sysconfig
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -300,12 +304,56 @@ def adversarial_texts(chars: int) -> dict[str, str]:
     return texts
 
 
-async def lag_while_counting(counter: TokenCounter, texts: list[str]) -> tuple[list[int | str], float, list[float]]:
-    """Counts (or why a text is unencodable), wall s and heartbeat lags while `texts` are counted at once."""
+_OUTSIDE_HEARTBEAT = """
+import sys, time
+while True:
+    t = time.perf_counter()
+    time.sleep(0.001)
+    lag = (time.perf_counter() - t - 0.001) * 1000
+    if lag > 1:
+        print(f"{time.time():.4f} {lag:.2f}", flush=True)
+"""
+
+
+class OutsideProbe:
+    """A 1 ms heartbeat in a process of its own, logging to a file: the lag this shared machine imposes on any
+    process (CPU contention, VM stalls), to tell its stalls from the GIL's."""
+
+    def __init__(self) -> None:
+        self._log = tempfile.TemporaryFile("w+")
+        self._proc = subprocess.Popen([sys.executable, "-c", _OUTSIDE_HEARTBEAT], stdout=self._log)
+
+    def max_lag(self, since: float) -> float:
+        """The largest lag (ms) seen since `since` (time.time())."""
+        self._log.seek(0)
+        lags = (line.split() for line in self._log.read().splitlines())
+        return max((float(lag) for t, lag in lags if float(t) >= since), default=0.0)
+
+    def close(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
+        self._log.close()
+
+
+@dataclass
+class LagRun:
+    results: list[int | str]  # counts, or why a text is unencodable
+    wall: float
+    lags: list[float]  # ms, in this process's event loop
+    outside_max: float  # ms, in a heartbeat process of its own meanwhile
+
+    def line(self, name: str, chars: int) -> str:
+        counted = ", ".join(f"{r:,} tokens" if isinstance(r, int) else r for r in self.results) or "nothing"
+        lag = f"lag p99 {p99(self.lags):.2f} ms, max {max(self.lags):.2f} ms"
+        return f"{name}: {chars / 1e6:.1f}M chars, {counted} in {self.wall:.1f}s; {lag} (outside: {self.outside_max:.0f})"
+
+
+async def lag_while_counting(counter: TokenCounter, texts: list[str], outside: OutsideProbe) -> LagRun:
+    """Counts and heartbeat lags while `texts` are counted at once."""
     probe = LagProbe()
     task = asyncio.create_task(probe.run())
     await asyncio.sleep(0.05)
-    t = time.perf_counter()
+    since, t = time.time(), time.perf_counter()
     results = await asyncio.gather(
         *(counter.count(text, tenant=f"adv-{i}") for i, text in enumerate(texts)), return_exceptions=True
     )
@@ -320,46 +368,42 @@ async def lag_while_counting(counter: TokenCounter, texts: list[str]) -> tuple[l
             raise r
         else:
             out.append(r)
-    return out, wall, probe.samples
-
-
-def lag_line(name: str, chars: int, results: list[int | str], wall: float, lags: list[float]) -> str:
-    counted = ", ".join(f"{r:,} tokens" if isinstance(r, int) else r for r in results)
-    lag = f"lag p99 {p99(lags):.2f} ms, max {max(lags):.2f} ms"
-    return f"{name}: {chars / 1e6:.1f}M chars, {counted} in {wall:.1f}s; {lag}"
+    return LagRun(out, wall, probe.samples, outside.max_lag(since))
 
 
 async def adversarial(million_chars: float, check: bool) -> None:
     mt = ModelTokenizer.load(MODEL_DIR / "tokenizer.json.gz")
     chars = int(million_chars * 1e6)
     texts = adversarial_texts(chars)
-    print(f"adversarial texts of {chars:,} characters, counted with a 1 ms heartbeat on the event loop")
+    print(f"adversarial texts of {chars:,} characters, counted with a 1 ms heartbeat on the event loop "
+          "((outside: N): the max lag in ms of a heartbeat process of its own meanwhile)")
+    outside = OutsideProbe()
     probe = LagProbe()
+    since = time.time()
     task = asyncio.create_task(probe.run())
     await asyncio.sleep(IDLE_S)
     probe.stop()
     await task
-    print(f"idle, nothing counted, {IDLE_S:.0f}s (this machine's own noise): lag p99 {p99(probe.samples):.2f} ms, "
-          f"max {max(probe.samples):.2f} ms")
+    idle = LagRun([], IDLE_S, probe.samples, outside.max_lag(since))
+    print(idle.line("idle, nothing counted", 0))
     counter = TokenCounter(mt)
     # The first text too long to count in-process starts the helper process (~1 s, once per process).
-    results, wall, lags = await lag_while_counting(counter, ["a" * 2**22])
-    print(lag_line("helper process start (4M chars)", 2**22, results, wall, lags))
+    print((await lag_while_counting(counter, ["a" * 2**22], outside)).line("helper process start (4M chars)", 2**22))
     all_lags: list[float] = []
     mismatches = 0
     for name, text in texts.items():
-        results, wall, lags = await lag_while_counting(counter, [text])
-        all_lags += lags
-        print(lag_line(name, len(text), results, wall, lags), flush=True)
+        run = await lag_while_counting(counter, [text], outside)
+        all_lags += run.lags
+        print(run.line(name, len(text)), flush=True)
         if check:
             ref = await asyncio.to_thread(lambda: len(mt.tokenizer.encode_batch_fast([text])[0]))
-            mismatches += results[0] != ref
+            mismatches += run.results[0] != ref
     several = [texts[k][: chars // 4] for k in ("one_char", "added_token", "cjk_no_punct", "mixed")]
-    results, wall, lags = await lag_while_counting(counter, several)
-    all_lags += lags
-    name = "4 at once (one_char, added_token, cjk_no_punct, mixed)"
-    print(lag_line(name, sum(map(len, several)), results, wall, lags))
+    run = await lag_while_counting(counter, several, outside)
+    all_lags += run.lags
+    print(run.line("4 at once (one_char, added_token, cjk_no_punct, mixed)", sum(map(len, several))))
     counter.close()
+    outside.close()
     if check:
         print(f"adversarial_mismatches={mismatches}")
     print(f"adversarial_lag_p99_ms={p99(all_lags):.2f}")

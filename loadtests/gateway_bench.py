@@ -38,7 +38,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from loadtests.engine.harness import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GLM5_TOKENIZER = REPO_ROOT / "config/models/glm-5/tokenizer.json.gz"
@@ -109,12 +110,6 @@ def serve_with_lag_probe(config_path: str) -> int:
 
 
 # ── setup ─────────────────────────────────────────────────────────────────────────────────────────────────────
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def write_config(directory: Path, pairs: dict[str, Any]) -> tuple[Path, int]:
     import yaml
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,16 +18,11 @@ from gateway.app import create_app
 from gateway.config import load_config
 from gateway.runtime import Gateway
 from gateway.server import uvicorn_config
+from loadtests.engine.harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 GLM5_TOKENIZER = ROOT / "config/models/glm-5/tokenizer.json.gz"
 GLM5_TEMPLATE = ROOT / "config/models/glm-5/chat_template.jinja"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def model_entry(name: str, prefill: list[Any], decode: list[Any], **overrides: Any) -> dict[str, Any]:

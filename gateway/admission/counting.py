@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
 from gateway.admission.count_cache import CacheStats, CountCache, cache_scope, text_key
-from gateway.admission.gil import Pacer
+from gateway.admission.gil import pace, start_pacing
 from gateway.admission.isolated_encode import IsolatedCounter
 from gateway.admission.parallel_count import (
     ISOLATE_TOKENS,
@@ -42,7 +44,9 @@ class UnencodableText(ValueError):
 # Prompts up to this many characters are counted on the event loop: at most ~0.5 ms of encoding, cheaper than
 # the thread hop, far below the 10 ms loop-lag budget.
 INLINE_CHARS = 1024
-_TINY_CHARS = 64
+# Prompts longer than this (up to ~0.2 s of Python-bound preparation) are prepared one at a time.
+SERIAL_CHARS = 1 << 20
+_TINY_CHARS = 64  # plain texts up to this long are copied out and deduplicated by value
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +69,8 @@ class _Plain:
     @classmethod
     def of(cls, text: str, segments: Iterable[Segment]) -> _Plain:
         plain = cls(text)
-        pacer = Pacer()
         for start, stop, token_id in segments:
-            pacer.step()
+            pace()
             if token_id is not None:
                 plain.added += 1
             elif stop - start <= _TINY_CHARS:
@@ -108,6 +111,7 @@ class TokenCounter:
             tokenizer.tokenizer, cutter, cores, piece_chars, isolated=self._isolated, isolate_tokens=isolate_tokens
         )
         self._cache = CountCache(cache_bytes)
+        self._preparing = threading.Lock()
         # Request threads mostly wait (in GIL-free encoding or on piece workers), so allow several at once.
         self._requests = ThreadPoolExecutor(4 * cores, thread_name_prefix="tokcount")
 
@@ -150,7 +154,14 @@ class TokenCounter:
     def cache_stats(self) -> CacheStats:
         return self._cache.stats()
 
+    def __enter__(self) -> TokenCounter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Stop the counting threads and the helper process."""
         self._requests.shutdown(wait=False, cancel_futures=True)
         self._parallel.close()
         self._isolated.close()
@@ -159,19 +170,40 @@ class TokenCounter:
         return self._tok.special_tokens_added if add_special_tokens else 0
 
     def _count_blocking(self, text: str, tenant: str, add_special_tokens: bool, limit: int | None) -> CountResult:
+        start_pacing()  # a short prompt, counted on the event loop, must not sleep there
         total = self._extra(add_special_tokens)
         if limit is not None and self._tok.max_token_bytes:
             # A token covers at most max_token_bytes bytes, hence at most that many characters.
             floor = total + math.ceil(len(text) / self._tok.max_token_bytes)
             if floor > limit:
                 return CountResult(floor, exact=False)
+        # Long prompts are prepared one at a time: under the GIL their Python-bound steps would not run in parallel
+        # anyway, and each thread busy with them is one more that the event loop must win the GIL from.
+        with self._preparing if len(text) > SERIAL_CHARS else nullcontext():
+            known, missed, cut = self._lookup(text, tenant)
+            total += known
+            budget = None if limit is None else limit - total
+            if budget is not None and budget < 0:
+                return CountResult(total, exact=not missed)
+            plan = self._parallel.plan([span for span, _ in missed.values()], cut=cut)
+        try:
+            counts, complete = self._parallel.lengths(plan, budget)
+        except EncodeFailed as exc:
+            raise UnencodableText(str(exc)) from exc
+        if complete:
+            for key, n in zip(missed, counts):
+                self._cache.put(key, n)
+        return CountResult(total + sum(n * times for n, (_, times) in zip(counts, missed.values())), complete)
+
+    def _lookup(self, text: str, tenant: str) -> tuple[int, dict[bytes, tuple[Span, int]], bool]:
+        """Tokens known without encoding (added tokens, cached texts); the plain texts to encode, by cache key,
+        with their occurrences; and whether those may be cut (they hold no added token)."""
         plain, cut = self._plain(text)
-        total += plain.added
+        known = plain.added
         scope = cache_scope(self._tok.identity, tenant)
-        missed: dict[bytes, tuple[Span, int]] = {}  # key -> (span, occurrences in this prompt)
-        pacer = Pacer()
+        missed: dict[bytes, tuple[Span, int]] = {}
         for span, times in plain.counted():
-            pacer.step()
+            pace()
             try:
                 key = text_key(scope, *span)
             except UnicodeEncodeError as exc:
@@ -181,18 +213,8 @@ class TokenCounter:
             elif (cached := self._cache.get(key)) is None:
                 missed[key] = (span, times)
             else:
-                total += cached * times
-        budget = None if limit is None else limit - total
-        if budget is not None and budget < 0:
-            return CountResult(total, exact=not missed)
-        try:
-            counts, complete = self._parallel.lengths([span for span, _ in missed.values()], budget, cut=cut)
-        except EncodeFailed as exc:
-            raise UnencodableText(str(exc)) from exc
-        if complete:
-            for key, n in zip(missed, counts):
-                self._cache.put(key, n)
-        return CountResult(total + sum(n * times for n, (_, times) in zip(counts, missed.values())), complete)
+                known += cached * times
+        return known, missed, cut
 
     def _plain(self, text: str) -> tuple[_Plain, bool]:
         """The plain text between added tokens, and whether it was split there (else: the whole text, uncut)."""

@@ -11,6 +11,7 @@ wakes, and, repeated often, keeps resetting the waiter's 5 ms timer: the event l
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterator
 
@@ -20,21 +21,19 @@ YIELD_S = 0.001  # the longest a loop holds the GIL before handing it over (each
 SCAN_CHARS = 1 << 14
 
 
-def yield_gil() -> None:
-    """Release and re-take the GIL, letting a waiting thread (the event loop) run first."""
-    time.sleep(0)
+_handed_over = threading.local()  # per thread: when it last handed the GIL over through `pace`
 
 
-class Pacer:
-    """Hands the GIL over from a Python loop whose steps cost very different amounts of time."""
+def start_pacing() -> None:
+    """Start this thread's pacing clock (at the start of a job: a job of less than YIELD_S never hands over)."""
+    _handed_over.at = time.perf_counter()
 
-    def __init__(self) -> None:
-        self._due = time.perf_counter() + YIELD_S
 
-    def step(self) -> None:
-        if (now := time.perf_counter()) >= self._due:
-            yield_gil()
-            self._due = now + YIELD_S
+def pace() -> None:
+    """Hand the GIL over if this thread has not done so for YIELD_S: call it at every step of a long loop."""
+    if (now := time.perf_counter()) - getattr(_handed_over, "at", 0.0) >= YIELD_S:
+        time.sleep(0)  # releases the GIL, letting a waiting thread (the event loop) take it, then re-takes it
+        _handed_over.at = now
 
 
 def finditer_sliced(pattern: re.Pattern[str], text: str, lo: int, hi: int, reach: int) -> Iterator[re.Match[str]]:
@@ -42,9 +41,8 @@ def finditer_sliced(pattern: re.Pattern[str], text: str, lo: int, hi: int, reach
 
     `reach`: the most characters a match, with its look-ahead, spans. Each slice's scan reads that far past
     its end, so a match starting inside it is found whole, exactly as one scan finds it; matches starting
-    later are left to the next slice. Patterns must not look behind their start.
+    later are left to the next slice. A look-behind sees the text before a slice as one scan would.
     """
-    pacer = Pacer()
     pos = lo
     while pos < hi:
         end = min(pos + SCAN_CHARS, hi)
@@ -53,6 +51,6 @@ def finditer_sliced(pattern: re.Pattern[str], text: str, lo: int, hi: int, reach
                 break
             pos = m.end()
             yield m
-            pacer.step()
+            pace()
         pos = max(pos, end)
-        pacer.step()
+        pace()

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from gateway.admission.gil import YIELD_CHARS, Pacer
+from gateway.admission.gil import YIELD_CHARS, pace
 from gateway.admission.parallel_count import EncodeFailed, encode_lengths
 from gateway.admission.tokenizer import ModelTokenizer
 
@@ -40,10 +40,9 @@ class IsolatedCounter:
             try:
                 proc = self._started()
                 # Slice by slice: one `encode` of it all, or freeing all the slices at once, holds the GIL.
-                pacer = Pacer()
                 for i in range(start, stop, YIELD_CHARS):
                     _send(proc, text[i : min(i + YIELD_CHARS, stop)].encode())
-                    pacer.step()
+                    pace()
                 _send(proc, b"")  # end of text
                 n = _read_int(proc)
                 if n < 0:
@@ -55,6 +54,12 @@ class IsolatedCounter:
             except OSError as exc:  # the helper died (out of memory?)
                 self._stop()
                 raise EncodeFailed(f"the tokenizer process failed ({exc})") from exc
+
+    def __enter__(self) -> IsolatedCounter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         self._closed = True

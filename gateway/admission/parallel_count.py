@@ -12,12 +12,13 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Protocol
 
 import tokenizers
 
-from gateway.admission.gil import Pacer
+from gateway.admission.gil import pace
 from gateway.admission.pretok_cuts import PieceCutter
 
 PIECE_CHARS = 1 << 16  # ~15-40 ms of encoding: fine-grained load balancing and early exits, small overhead
@@ -56,7 +57,16 @@ def encode_lengths(tokenizer: tokenizers.Tokenizer, texts: list[str], add_specia
     return [len(e) for e in encodings]
 
 
-Batch = tuple[list[int], list[str]]  # (index of the text each piece belongs to, pieces)
+Batch = tuple[list[int], list[str]]  # (index of the span each piece belongs to, pieces)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How some spans are counted: batches of pieces encoded here, and pieces counted in a helper process."""
+
+    spans: int
+    batches: list[Batch]
+    isolated: list[tuple[int, Span]]  # (index of the span, piece)
 
 
 class _Tally:
@@ -97,52 +107,15 @@ class ParallelCounter:
         self._helpers = max(0, workers - 1)  # the calling thread is the first worker
         self._pool = ThreadPoolExecutor(max(1, self._helpers), thread_name_prefix="tokpiece")
 
-    def lengths(self, spans: list[Span], budget: int | None = None, *, cut: bool = True) -> tuple[list[int], bool]:
-        """Exact count of each span (add_special_tokens=False) and True; or, once their sum provably exceeds
-        `budget`, partial counts (summing to more than `budget`) and False. `cut=False` for texts that may
-        hold added tokens: the pre-tokenizer knows nothing of them, so a cut could split one.
-
-        The calling thread counts the isolated pieces, then drains the batches itself while pool helpers join
-        in, so a request always makes progress even when the helpers are busy with another long prompt.
-        """
-        batches, isolated = self._plan(spans, cut)
-        queue = deque(batches)
-        tally = _Tally(len(spans), budget)
-        n_helpers = min(self._helpers, len(queue) - (0 if isolated else 1))
-        helpers = [self._pool.submit(self._drain, queue, tally) for _ in range(n_helpers)]
-        try:
-            for owner, (text, start, stop) in isolated:
-                if tally.exceeded:
-                    break
-                tally.add([owner], [self._isolated.length(text, start, stop)])
-            self._drain(queue, tally)
-        finally:
-            queue.clear()  # on error, stop the helpers after their current batch
-            for helper in helpers:
-                if not helper.cancel():
-                    helper.result()
-        return tally.totals, not tally.exceeded
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _drain(self, queue: deque[Batch], tally: _Tally) -> None:
-        while not tally.exceeded:
-            try:
-                owners, pieces = queue.popleft()
-            except IndexError:
-                return
-            tally.add(owners, encode_lengths(self._tok, pieces))
-
-    def _plan(self, spans: list[Span], cut: bool) -> tuple[list[Batch], list[tuple[int, Span]]]:
-        """Batches of about piece_chars (long spans cut at verified splits, short ones packed together), and
-        the pieces too long to count in-process, with the index of the span each belongs to."""
+    def plan(self, spans: list[Span], *, cut: bool = True) -> Plan:
+        """Batches of about piece_chars (long spans cut at verified splits, short ones packed together), and the
+        pieces too long to count in-process. `cut=False` for texts that may hold added tokens: the
+        pre-tokenizer knows nothing of them, so a cut could split one."""
         batches: list[Batch] = []
         isolated: list[tuple[int, Span]] = []
         owners: list[int] = []
         pieces: list[str] = []
         size = 0
-        pacer = Pacer()
         for i, (text, start, stop) in enumerate(spans):
             bounds = [start, stop]
             if cut and self._cutter is not None and stop - start > 2 * self._piece_chars:
@@ -150,7 +123,7 @@ class ParallelCounter:
             # At most one token per UTF-8 byte for byte-level BPE: an estimate for other tokenizers, fine for sizing.
             tokens_per_char = 1 if text.isascii() else 4
             for a, b in pairwise(bounds):
-                pacer.step()
+                pace()
                 if (b - a) * tokens_per_char > self._isolate_tokens:
                     isolated.append((i, (text, a, b)))
                     continue
@@ -162,4 +135,40 @@ class ParallelCounter:
                     owners, pieces, size = [], [], 0
         if pieces or not batches:
             batches.append((owners, pieces))
-        return batches, isolated
+        return Plan(len(spans), batches, isolated)
+
+    def lengths(self, plan: Plan, budget: int | None = None) -> tuple[list[int], bool]:
+        """The count of each planned span (add_special_tokens=False), and whether every piece was counted: once
+        their sum provably exceeds `budget`, the pieces not started yet are skipped (the sum still exceeds it).
+
+        The calling thread drains the batches itself while pool helpers join in, so a request always makes
+        progress even when the helpers are busy with another long prompt. Pieces counted in the helper process
+        come last: an early exit may spare them (each takes seconds).
+        """
+        queue = deque(plan.batches)
+        tally = _Tally(plan.spans, budget)
+        helpers = [self._pool.submit(self._drain, queue, tally) for _ in range(min(self._helpers, len(queue) - 1))]
+        try:
+            self._drain(queue, tally)
+        finally:
+            skipped = bool(queue)  # left by an early exit (or taken by a helper just now: then merely understated)
+            queue.clear()  # on error, stop the helpers after their current batch
+            for helper in helpers:
+                if not helper.cancel():
+                    helper.result()
+        for owner, (text, start, stop) in plan.isolated:
+            if tally.exceeded:
+                return tally.totals, False
+            tally.add([owner], [self._isolated.length(text, start, stop)])
+        return tally.totals, not skipped
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _drain(self, queue: deque[Batch], tally: _Tally) -> None:
+        while not tally.exceeded:
+            try:
+                owners, pieces = queue.popleft()
+            except IndexError:
+                return
+            tally.add(owners, encode_lengths(self._tok, pieces))

@@ -20,20 +20,22 @@ from itertools import islice, pairwise
 
 import tokenizers
 
-from gateway.admission.gil import Pacer, finditer_sliced
+from gateway.admission.gil import finditer_sliced, pace
 
 _WINDOW = 256  # context pre-tokenized on each side of a candidate cut
 _MAX_TRIES = 8  # candidates verified per kind and window before giving up on that stretch of text
-# Candidate kinds, best first, each matching the character just before a plausible cut (the cut is the match's
-# end): a newline before a word; a word before a single space; a letter before punctuation (CJK prose often has
-# no spaces or newlines for thousands of characters); a letter before a digit or a digit before a letter
-# (base64, hex, identifiers).
-_CANDIDATE_REACH = 3  # characters a candidate match and its look-ahead span
+# Candidate kinds, best first: (pattern, cut offset from the match's start). Each matches the one character just
+# before (offset 1) or after (offset 0) a plausible cut, and starts with a character class that is rare in runs
+# of letters, so the scan skips them at C speed: a newline before a word; a single space between words;
+# punctuation after a letter (CJK prose often has no spaces or newlines for thousands of characters); a digit
+# after a letter, or a letter after a digit (base64, hex, identifiers).
+_CANDIDATE_REACH = 2  # characters a candidate match and its look-ahead span
 _CANDIDATES = (
-    re.compile(r"\n(?=\S)"),
-    re.compile(r"\S(?= \S)"),
-    re.compile(r"[^\W\d_](?=[,.;:!?，。！？；：、])"),
-    re.compile(r"[^\W\d_](?=\d)|\d(?=[^\W\d_])"),
+    (re.compile(r"\n(?=\S)"), 1),
+    (re.compile(r" (?<=\S )(?=\S)"), 0),
+    (re.compile(r"[,.;:!?，。！？；：、](?<=[^\W\d_].)"), 0),
+    (re.compile(r"\d(?<=[^\W\d_]\d)"), 0),
+    (re.compile(r"\d(?=[^\W\d_])"), 1),
 )
 
 
@@ -50,11 +52,10 @@ class PieceCutter:
         and `stop`."""
         bounds = [start]
         lo = start + piece_chars
-        pacer = Pacer()
         while lo < stop - piece_chars // 2:
             hi = min(lo + piece_chars, stop)
-            cut = self._find_cut(text, lo, hi, start, stop, pacer)
-            pacer.step()
+            cut = self._find_cut(text, lo, hi, start, stop)
+            pace()
             if cut is None:
                 lo = hi
             else:
@@ -63,12 +64,12 @@ class PieceCutter:
         bounds.append(stop)
         return bounds
 
-    def _find_cut(self, text: str, lo: int, hi: int, start: int, stop: int, pacer: Pacer) -> int | None:
-        for candidates in _CANDIDATES:
+    def _find_cut(self, text: str, lo: int, hi: int, start: int, stop: int) -> int | None:
+        for candidates, offset in _CANDIDATES:
             for m in islice(finditer_sliced(candidates, text, lo, hi, _CANDIDATE_REACH), _MAX_TRIES):
-                if self.verified(text, m.end(), start, stop):
-                    return m.end()
-                pacer.step()
+                if self.verified(text, cut := m.start() + offset, start, stop):
+                    return cut
+                pace()
         return None
 
     def verified(self, text: str, cut: int, start: int = 0, stop: int | None = None) -> bool:

@@ -14,7 +14,7 @@ import re
 import string
 from collections.abc import Iterable, Iterator
 
-from gateway.admission.gil import YIELD_CHARS, finditer_sliced, yield_gil
+from gateway.admission.gil import YIELD_CHARS, finditer_sliced, pace
 from gateway.admission.tokenizer import AddedToken
 
 # Rust `char::is_whitespace` (Unicode White_Space, none above U+3000): Python's `str.isspace` also accepts
@@ -127,7 +127,7 @@ def _space_run_start(text: str, lo: int, hi: int) -> int:
         if kept := len(text[chunk_start:hi].rstrip(_WHITE_SPACE)):
             return chunk_start + kept
         hi = chunk_start
-        yield_gil()
+        pace()
     return lo
 
 
@@ -138,5 +138,5 @@ def _space_run_end(text: str, lo: int, hi: int) -> int:
         if m := _NON_SPACE.search(text, lo, end):
             return m.start()
         lo = end
-        yield_gil()
+        pace()
     return hi

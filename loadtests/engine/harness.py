@@ -18,6 +18,7 @@ the default; HF_HUB_OFFLINE=1 is always set for the child.
 from __future__ import annotations
 
 import os
+import random
 import select
 import signal
 import socket
@@ -37,11 +38,38 @@ DEFAULT_MODEL = "glm-5-emu"
 _READY_PREFIX = "kvgate-engine ready"
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free right now (bind to 0, read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free right now, chosen *below* the kernel's ephemeral range.
+
+    A port from bind-to-0 lies in the ephemeral range, so between our check and the engine's own bind any
+    outgoing connection on the machine may take it (seen in CI as EADDRINUSE). Ports below the range are
+    never handed to outgoing connections; we also never hand the same one out twice in one process."""
+    low, _ = _ephemeral_range()
+    floor = 10_000 if low > 12_000 else 1_024
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(floor, low)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port found in {floor}..{low - 1}")
 
 
 def _flags(opts: dict[str, Any]) -> list[str]:

@@ -4,35 +4,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from gateway.admission.counting import TokenCounter, UnencodableText
 from gateway.admission.tokenizer import ModelTokenizer
 
-GLM5 = Path(__file__).resolve().parents[1] / "config" / "models" / "glm-5" / "tokenizer.json.gz"
 RENDERED = "[gMASK]<sop><|system|>You are helpful.<|user|>What is 2+2? 你好<|assistant|><think>"
 
 
-@pytest.fixture(scope="module")
-def glm() -> ModelTokenizer:
-    return ModelTokenizer.load(GLM5)
-
-
 @pytest.fixture
-def counter(glm: ModelTokenizer) -> Iterator[TokenCounter]:
-    c = TokenCounter(glm, cache_bytes=1 << 20)
-    yield c
-    c.close()
+def counter(glm_tokenizer: ModelTokenizer) -> Iterator[TokenCounter]:
+    with TokenCounter(glm_tokenizer, cache_bytes=1 << 20) as c:
+        yield c
 
 
-def test_tokenizer_facts(glm: ModelTokenizer) -> None:
-    assert glm.identity == "19e773648cb4e65de8660ea6365e10acca112d42a854923df93db4a6f333a82d"
-    assert glm.tokens_le_bytes and glm.max_token_bytes == 512
-    assert "[gMASK]" in glm.special_token_strings() and "<think>" not in glm.special_token_strings()
-    assert glm.token_id("<|user|>") == 154827 and glm.token_id("no such token \u2603") is None
-    assert glm.special_tokens_added == 0
+def test_tokenizer_facts(glm_tokenizer: ModelTokenizer) -> None:
+    assert glm_tokenizer.identity == "19e773648cb4e65de8660ea6365e10acca112d42a854923df93db4a6f333a82d"
+    assert glm_tokenizer.tokens_le_bytes and glm_tokenizer.max_token_bytes == 512
+    assert "[gMASK]" in glm_tokenizer.special_token_strings() and "<think>" not in glm_tokenizer.special_token_strings()
+    assert glm_tokenizer.token_id("<|user|>") == 154827 and glm_tokenizer.token_id("no such token \u2603") is None
+    assert glm_tokenizer.special_tokens_added == 0
 
 
 def test_documented_example_counts_19(counter: TokenCounter) -> None:

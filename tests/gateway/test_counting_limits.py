@@ -6,7 +6,6 @@ import asyncio
 import random
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,20 +15,13 @@ from gateway.admission.count_cache import ENTRY_BYTES, CountCache
 from gateway.admission.counting import TokenCounter
 from gateway.admission.tokenizer import ModelTokenizer
 
-GLM5 = Path(__file__).resolve().parents[1] / "config" / "models" / "glm-5" / "tokenizer.json.gz"
 WORDS = ["the", " cat", "\n", "  ", "你好", "😀", "123", "{", "}", "e\u0301", "<|user|>", "<think>", "\t", "٣٤"]
 
 
 @pytest.fixture(scope="module")
-def glm() -> ModelTokenizer:
-    return ModelTokenizer.load(GLM5)
-
-
-@pytest.fixture(scope="module")
-def counter(glm: ModelTokenizer) -> Iterator[TokenCounter]:
-    c = TokenCounter(glm, cache_bytes=1 << 20, piece_chars=64)
-    yield c
-    c.close()
+def counter(glm_tokenizer: ModelTokenizer) -> Iterator[TokenCounter]:
+    with TokenCounter(glm_tokenizer, cache_bytes=1 << 20, piece_chars=64) as c:
+        yield c
 
 
 def reference(tok: ModelTokenizer, text: str) -> int:
@@ -39,24 +31,26 @@ def reference(tok: ModelTokenizer, text: str) -> int:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(WORDS), max_size=300).map("".join), st.integers(-3, 3), st.booleans())
 def test_limit_never_changes_the_decision(
-    glm: ModelTokenizer, counter: TokenCounter, text: str, delta: int, special: bool
+    glm_tokenizer: ModelTokenizer, counter: TokenCounter, text: str, delta: int, special: bool
 ) -> None:
-    exact = len(glm.tokenizer.encode(text, add_special_tokens=special).ids)
+    exact = len(glm_tokenizer.tokenizer.encode(text, add_special_tokens=special).ids)
     limit = max(0, exact + delta)
     got = asyncio.run(counter.count(text, tenant=str(delta), add_special_tokens=special, limit=limit))
     assert (got > limit) == (exact > limit)
     if exact <= limit:
         assert got == exact
+    bounded = asyncio.run(counter.count_bounded(text, tenant="b", add_special_tokens=special, limit=limit))
+    assert bounded.tokens == exact if bounded.exact else limit < bounded.tokens <= exact
     if counter.provably_within(text, limit, add_special_tokens=special):
         assert exact <= limit
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(st.characters(blacklist_categories=["Cs"]), max_size=200))
-def test_tokens_never_exceed_bytes_nor_fall_below_the_floor(glm: ModelTokenizer, text: str) -> None:
-    n = reference(glm, text)
+def test_tokens_never_exceed_bytes_nor_fall_below_the_floor(glm_tokenizer: ModelTokenizer, text: str) -> None:
+    n = reference(glm_tokenizer, text)
     assert n <= len(text.encode())
-    assert glm.max_token_bytes is not None and n >= -(-len(text) // glm.max_token_bytes)
+    assert glm_tokenizer.max_token_bytes is not None and n >= -(-len(text) // glm_tokenizer.max_token_bytes)
 
 
 def test_huge_prompt_rejected_from_its_length_alone(counter: TokenCounter) -> None:
@@ -66,32 +60,26 @@ def test_huge_prompt_rejected_from_its_length_alone(counter: TokenCounter) -> No
     assert time.perf_counter() - t < 0.5
 
 
-def test_long_prompt_stops_early_above_limit(glm: ModelTokenizer) -> None:
+def test_long_prompt_stops_early_above_limit(glm_tokenizer: ModelTokenizer) -> None:
     text = "Lorem ipsum dolor sit amet.\n" * 40_000  # ~240k tokens
-    counter = TokenCounter(glm, cache_bytes=0)
-    try:
+    with TokenCounter(glm_tokenizer, cache_bytes=0) as counter:
         got = asyncio.run(counter.count(text, tenant="t", limit=10_000))
-    finally:
-        counter.close()
-    assert 10_000 < got < reference(glm, text)
+    assert 10_000 < got < reference(glm_tokenizer, text)
 
 
-def test_resent_conversation_costs_only_the_new_message(glm: ModelTokenizer) -> None:
+def test_resent_conversation_costs_only_the_new_message(glm_tokenizer: ModelTokenizer) -> None:
     rng = random.Random(3)
     turns = ["".join(rng.choice(WORDS[:10]) for _ in range(200)) for _ in range(50)]
     history = "[gMASK]<sop>" + "".join(f"<|user|>{t}<|assistant|></think>reply {i}" for i, t in enumerate(turns))
-    counter = TokenCounter(glm, cache_bytes=1 << 20)
-    try:
+    with TokenCounter(glm_tokenizer, cache_bytes=1 << 20) as counter:
         asyncio.run(counter.count(history, tenant="a"))
         before = counter.cache_stats
         turn = history + "<|user|>a brand new question<|assistant|><think>"
-        assert asyncio.run(counter.count(turn, tenant="a")) == reference(glm, turn)
+        assert asyncio.run(counter.count(turn, tenant="a")) == reference(glm_tokenizer, turn)
         after = counter.cache_stats
         assert after.misses - before.misses == 1  # only the new message's text was encoded
         asyncio.run(counter.count(turn, tenant="b"))
         assert counter.cache_stats.misses - after.misses > 50  # another tenant shares nothing
-    finally:
-        counter.close()
 
 
 def test_cache_is_lru_and_bounded() -> None:
@@ -105,11 +93,10 @@ def test_cache_is_lru_and_bounded() -> None:
     assert (stats.entries, stats.bytes, stats.hits, stats.misses) == (3, 3 * ENTRY_BYTES, 3, 1)
 
 
-def test_event_loop_keeps_ticking_during_a_long_count(glm: ModelTokenizer) -> None:
+def test_event_loop_keeps_ticking_during_a_long_count(glm_tokenizer: ModelTokenizer) -> None:
     text = ("Some English text, 一些中文, and code: x = f(y) + 1\n" * 25_000) + "<|user|>tail"
-    counter = TokenCounter(glm, cache_bytes=0)
 
-    async def run() -> float:
+    async def run(counter: TokenCounter) -> float:
         lags: list[float] = []
         task = asyncio.ensure_future(counter.count(text, tenant="t"))
         while not task.done():
@@ -119,7 +106,14 @@ def test_event_loop_keeps_ticking_during_a_long_count(glm: ModelTokenizer) -> No
         await task
         return max(lags)
 
-    try:
-        assert asyncio.run(run()) < 0.25  # single-pass `encode` would freeze it for ~0.7 s
-    finally:
-        counter.close()
+    with TokenCounter(glm_tokenizer, cache_bytes=0) as counter:
+        assert asyncio.run(run(counter)) < 0.25  # single-pass `encode` would freeze it for ~0.7 s
+
+
+def test_early_exit_spares_the_helper_process(glm_tokenizer: ModelTokenizer) -> None:
+    """Pieces too long to count in-process (seconds each, in a helper process) come after the others."""
+    text = "Lorem ipsum dolor sit amet.\n" * 20_000 + "a" * 3_000_000  # ~120k tokens, then 3M chars with no cut
+    with TokenCounter(glm_tokenizer, cache_bytes=0) as counter:
+        got = asyncio.run(counter.count_bounded(text, tenant="t", limit=10_000))
+        assert not got.exact and 10_000 < got.tokens < reference(glm_tokenizer, text)
+        assert counter._isolated._proc is None  # never started

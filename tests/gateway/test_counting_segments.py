@@ -6,20 +6,30 @@ import asyncio
 import dataclasses
 import json
 import random
-from pathlib import Path
+import time
 from typing import Any
+from unittest import mock
 
 import jinja2
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
-from gateway.admission import self_check
+from gateway.admission import gil, segmenting, self_check
 from gateway.admission.counting import TokenCounter
 from gateway.admission.tokenizer import ModelTokenizer
+from tests.gateway_harness import GLM5_TEMPLATE
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "config" / "models" / "glm-5"
 GLM_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -34,16 +44,11 @@ def reference(tok: ModelTokenizer, text: str) -> int:
     return len(tok.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-@pytest.fixture(scope="module")
-def glm() -> ModelTokenizer:
-    return ModelTokenizer.load(MODEL_DIR / "tokenizer.json.gz")
-
-
 def render_chats(n: int, seed: int) -> list[str]:
     """Multi-turn GLM-5 chats with tool calls, unicode and whitespace at every segment edge."""
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda v, ensure_ascii=True, **_: json.dumps(v, ensure_ascii=ensure_ascii)
-    template = env.from_string((MODEL_DIR / "chat_template.jinja").read_text(encoding="utf-8"))
+    template = env.from_string(GLM5_TEMPLATE.read_text(encoding="utf-8"))
     rng = random.Random(seed)
 
     def text() -> str:
@@ -68,18 +73,15 @@ def render_chats(n: int, seed: int) -> list[str]:
     return chats
 
 
-def test_glm_chat_corpus_equals_single_pass(glm: ModelTokenizer) -> None:
-    assert glm.segmentable
-    counter = TokenCounter(glm, cache_bytes=1 << 20)
+def test_glm_chat_corpus_equals_single_pass(glm_tokenizer: ModelTokenizer) -> None:
+    assert glm_tokenizer.segmentable
     chats = render_chats(3000, seed=1)
 
-    async def run() -> list[int]:
+    async def run(counter: TokenCounter) -> list[int]:
         return [await counter.count(c, tenant="t") for c in chats]
 
-    try:
-        assert asyncio.run(run()) == [reference(glm, c) for c in chats]
-    finally:
-        counter.close()
+    with TokenCounter(glm_tokenizer, cache_bytes=1 << 20) as counter:
+        assert asyncio.run(run(counter)) == [reference(glm_tokenizer, c) for c in chats]
 
 
 def toy_tokenizer(flagged: list[AddedToken], *, normalizer: Any = None, pre: Any = None) -> ModelTokenizer:
@@ -119,14 +121,31 @@ def toy() -> ModelTokenizer:
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.sampled_from(TOY_ALPHABET), max_size=40).map("".join))
-def test_flags_lstrip_rstrip_single_word_normalized(toy: ModelTokenizer, text: str) -> None:
+@given(st.lists(st.sampled_from(TOY_ALPHABET), max_size=40).map("".join), st.integers(1, 6), st.integers(1, 6))
+def test_flags_lstrip_rstrip_single_word_normalized(toy: ModelTokenizer, text: str, scan: int, run: int) -> None:
     assert toy.segmentable and toy.pretok_cuttable
-    counter = TokenCounter(toy, cache_bytes=0, piece_chars=4)  # tiny pieces: cuts next to flagged tokens too
-    try:
-        assert asyncio.run(counter.count(text, tenant="t")) == reference(toy, text)
-    finally:
-        counter.close()
+    with TokenCounter(toy, cache_bytes=0, piece_chars=4) as counter:  # tiny pieces: cuts next to flagged tokens too
+        # Tiny scan windows and whitespace-run slices: token matches and runs cross their edges.
+        with mock.patch.object(gil, "SCAN_CHARS", scan), mock.patch.object(segmenting, "YIELD_CHARS", run):
+            assert asyncio.run(counter.count(text, tenant="t")) == reference(toy, text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        " " * 200_000 + "x" + " " * 9 + "<L>",  # lstrip: a long run just before the token's own run
+        ("y" + " " * 50_000) * 6 + "<LR>" + " " * 200_000 + "z",  # lstrip and rstrip over long runs
+        "<R>" + " " * 300_000 + "<L>" + "\u3000" * 1000 + "w",  # rstrip's run reaching an lstrip token
+        ("<L>" + " " * 20_000) * 40,
+    ],
+)
+def test_stripping_tokens_next_to_long_whitespace_runs(toy: ModelTokenizer, text: str) -> None:
+    """Finding the whitespace an lstrip/rstrip token swallows is linear (a regex search was quadratic)."""
+    with TokenCounter(toy, cache_bytes=0) as counter:
+        t = time.perf_counter()
+        got = asyncio.run(counter.count(text, tenant="t"))
+        assert time.perf_counter() - t < 5
+        assert got == reference(toy, text)
 
 
 @pytest.mark.parametrize(
@@ -142,13 +161,10 @@ def test_unproven_tokenizers_fall_back_and_stay_exact(
 ) -> None:
     tok = toy_tokenizer(FLAGGED, normalizer=normalizer, pre=pre)
     assert (tok.segmentable, tok.tokens_le_bytes) == (segmentable, le_bytes)
-    counter = TokenCounter(tok, cache_bytes=1 << 16)
     rng = random.Random(7)
     texts = ["".join(rng.choice(TOY_ALPHABET) for _ in range(30)) for _ in range(200)]
-    try:
+    with TokenCounter(tok, cache_bytes=1 << 16) as counter:
         assert [asyncio.run(counter.count(t, tenant="t")) for t in texts] == [reference(tok, t) for t in texts]
-    finally:
-        counter.close()
 
 
 def test_post_processor_tokens_are_added_once() -> None:
@@ -158,18 +174,15 @@ def test_post_processor_tokens_are_added_once() -> None:
     )
     tok = ModelTokenizer(tok.tokenizer.to_str().encode())
     assert tok.special_tokens_added == 2
-    counter = TokenCounter(tok, cache_bytes=1 << 16)
-    try:
+    with TokenCounter(tok, cache_bytes=1 << 16) as counter:
         for text in ["", "word <LR> x", "你好<n>"]:
             expected = len(tok.tokenizer.encode(text, add_special_tokens=True).ids)
             assert asyncio.run(counter.count(text, tenant="t", add_special_tokens=True)) == expected
             assert counter.count_sync(text, add_special_tokens=True) == expected
-    finally:
-        counter.close()
 
 
-def test_load_time_probe_disables_a_broken_fast_path(glm: ModelTokenizer) -> None:
-    assert self_check.segmenting_holds(glm) and self_check.cutting_holds(glm)
+def test_load_time_probe_disables_a_broken_fast_path(glm_tokenizer: ModelTokenizer) -> None:
+    assert self_check.segmenting_holds(glm_tokenizer) and self_check.cutting_holds(glm_tokenizer)
     # Facts that misdescribe the tokenizer (an lstrip flag dropped) make segmenting miscount: the probe notices.
     toy = toy_tokenizer([*FLAGGED, AddedToken("<probe>", normalized=False)])  # an identity not probed yet
     toy.added_tokens = tuple(dataclasses.replace(t, lstrip=False) for t in toy.added_tokens)
