@@ -6,6 +6,7 @@ never from the model's name, so a new tokenizer gets the fast paths only when th
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import os
@@ -73,10 +74,11 @@ class ModelTokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ModelTokenizer:
+        """The tokenizer in `path` (tokenizer.json, or gzipped); models that share one file share one instance."""
         data = Path(path).read_bytes()
         if str(path).endswith(".gz"):
             data = gzip.decompress(data)
-        return cls(data)
+        return _parsed(data)
 
     def special_token_strings(self) -> list[str]:
         return [t.content for t in self.added_tokens if t.special]
@@ -91,6 +93,12 @@ class ModelTokenizer:
         longest = max((len(piece) for piece in self.tokenizer.get_vocab(with_added_tokens=False)), default=1)
         added = max((len(t.content.encode("utf-8")) for t in self.added_tokens), default=1)
         return max(longest, added)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(raw_json: bytes) -> ModelTokenizer:
+    # Parsing takes ~0.7 s for a 150k-token vocabulary; the instance is immutable and safe to share across threads.
+    return ModelTokenizer(raw_json)
 
 
 def _pre_tokenizer_parts(pre: dict[str, Any] | None) -> list[dict[str, Any]]:

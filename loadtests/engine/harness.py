@@ -27,7 +27,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import aiohttp
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER = str(REPO_ROOT / "config" / "models" / "glm-5" / "tokenizer.json.gz")
 DEFAULT_MODEL = "glm-5-emu"
+T = TypeVar("T")
 _READY_PREFIX = "kvgate-engine ready"
 
 
@@ -70,6 +72,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         _handed_out.add(port)
         return port
     raise RuntimeError(f"no free port found in {floor}..{low - 1}")
+
+
+class PortTaken(RuntimeError):
+    """Another process bound the engine's port between our check and its bind."""
+
+
+def _on_fresh_ports(start: Callable[[], T], attempts: int = 3) -> T:
+    for attempt in range(attempts):
+        try:
+            return start()
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _flags(opts: dict[str, Any]) -> list[str]:
@@ -132,7 +148,8 @@ class RunningEngine:
             if self.proc.poll() is not None:
                 break
         err = self._kill_and_collect()
-        raise RuntimeError(f"engine {self.role} on port {self.port} did not become ready: {err}")
+        error = PortTaken if "address already in use" in err else RuntimeError
+        raise error(f"engine {self.role} on port {self.port} did not become ready: {err}")
 
     def _kill_and_collect(self) -> str:
         assert self.proc is not None
@@ -177,12 +194,15 @@ def start_engine(role: str, *, pool_tokens: int, context_length: int, bug: bool 
                  model: str = DEFAULT_MODEL, tokenizer: str = DEFAULT_TOKENIZER, startup_timeout_s: float = 60.0,
                  **opts: Any) -> RunningEngine:
     """Start one engine (free loopback ports unless given) and wait until it is ready."""
-    eng = RunningEngine(role=role, host=host, port=port or free_port(host),
-                        bootstrap_port=bootstrap_port or free_port(host),
-                        opts={"model": model, "pool_tokens": pool_tokens, "context_length": context_length,
-                              "tokenizer": tokenizer, "bug": bug, **opts},
-                        startup_timeout_s=startup_timeout_s)
-    return eng.start()
+    def start() -> RunningEngine:
+        eng = RunningEngine(role=role, host=host, port=port or free_port(host),
+                            bootstrap_port=bootstrap_port or free_port(host),
+                            opts={"model": model, "pool_tokens": pool_tokens, "context_length": context_length,
+                                  "tokenizer": tokenizer, "bug": bug, **opts},
+                            startup_timeout_s=startup_timeout_s)
+        return eng.start()
+
+    return start() if port and bootstrap_port else _on_fresh_ports(start)
 
 
 @dataclass
@@ -215,23 +235,27 @@ def start_pair(*, prefill_pool: int, decode_pool: int, context_length: int, bug:
     host = common.pop("host", "127.0.0.1")
     base = {"model": common.pop("model", DEFAULT_MODEL), "tokenizer": common.pop("tokenizer", DEFAULT_TOKENIZER),
             "context_length": context_length, "bug": bug, **common}
-    bootstrap_port = free_port(host)
-    prefill = RunningEngine("prefill", host, free_port(host), bootstrap_port,
-                            {**base, "pool_tokens": prefill_pool, **(prefill_opts or {})})
-    decode = RunningEngine("decode", host, free_port(host), bootstrap_port,
-                           {**base, "pool_tokens": decode_pool, **(decode_opts or {})})
-    started: list[RunningEngine] = []
-    try:
-        for eng in (prefill, decode):
-            eng.launch()
-            started.append(eng)
-        for eng in started:
-            eng.wait_ready()
-    except BaseException:
-        for eng in started:
-            eng.stop()
-        raise
-    return EnginePair(prefill, decode)
+
+    def start() -> EnginePair:
+        bootstrap_port = free_port(host)
+        prefill = RunningEngine("prefill", host, free_port(host), bootstrap_port,
+                                {**base, "pool_tokens": prefill_pool, **(prefill_opts or {})})
+        decode = RunningEngine("decode", host, free_port(host), bootstrap_port,
+                               {**base, "pool_tokens": decode_pool, **(decode_opts or {})})
+        started: list[RunningEngine] = []
+        try:
+            for eng in (prefill, decode):
+                eng.launch()
+                started.append(eng)
+            for eng in started:
+                eng.wait_ready()
+        except BaseException:
+            for eng in started:
+                eng.stop()
+            raise
+        return EnginePair(prefill, decode)
+
+    return _on_fresh_ports(start)
 
 
 async def naive_pd_request(session: "aiohttp.ClientSession", pair: EnginePair, path: str, body: dict[str, Any],

@@ -338,8 +338,10 @@ def test_fault_hang_and_health_and_slow_first_token(pair: EnginePair) -> None:
 
 def test_fault_refuse_bootstrap(pair: EnginePair) -> None:
     jcall("POST", pair.prefill.url + "/emu/faults", {"action": "refuse_bootstrap"})
+    # The fault also closes established KV connections; a decode that has not yet seen its one close fails on it.
     status, body = jcall("POST", pair.decode.url + "/generate", {"text": "hi", **pair.bootstrap_fields(92)})
-    assert status == 500 and "Could not fetch prefill parallel info" in body["message"]
+    assert status == 500
+    assert any(m in body["message"] for m in ("Could not fetch prefill parallel info", "prefill was lost"))
     jcall("POST", pair.prefill.url + "/emu/reset")
     (ps, _), (ds, _) = pd_request(pair, "/generate", {"text": "hi"}, room=93)
     assert ps == ds == 200

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loadtests.engine.harness import EnginePair, start_pair
+from tests.depth import examples
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
 
 VERSIONS = ("0.5.8", "0.5.22", "0.5.23")
@@ -150,7 +151,7 @@ def chat_bodies(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(body=chat_bodies())
 def test_gateway_count_equals_every_dialects_engine_count(client: httpx.Client, body: dict[str, Any]) -> None:

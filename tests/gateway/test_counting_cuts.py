@@ -17,6 +17,7 @@ from gateway.admission.isolated_encode import IsolatedCounter
 from gateway.admission.parallel_count import EncodeFailed
 from gateway.admission.pretok_cuts import PieceCutter
 from gateway.admission.tokenizer import ModelTokenizer
+from tests.depth import examples
 
 # Adversarial atoms: whitespace runs before words (`\s+(?!\S)`), \r\n mixes, contractions, digit runs
 # (`\p{N}{1,3}`), punctuation followed by newlines, combining marks, CJK, emoji, odd Unicode spaces.
@@ -33,7 +34,7 @@ def reference(tok: ModelTokenizer, text: str) -> int:
     return len(tok.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(1000), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(TEXTS, st.integers(min_value=1, max_value=40), st.integers(min_value=1, max_value=9))
 def test_cut_pieces_sum_to_single_pass(glm_tokenizer: ModelTokenizer, text: str, piece_chars: int, scan: int) -> None:
     assert glm_tokenizer.pretok_cuttable
@@ -44,7 +45,7 @@ def test_cut_pieces_sum_to_single_pass(glm_tokenizer: ModelTokenizer, text: str,
     assert sum(counts) == reference(glm_tokenizer, text)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(TEXTS, st.sampled_from(["", "<|user|>", "<|assistant|>", "<think>"])), max_size=6))
 def test_counter_with_tiny_pieces_equals_single_pass(glm_tokenizer: ModelTokenizer, parts: list[tuple[str, str]]) -> None:
     text = "".join(a + b for a, b in parts)
@@ -76,7 +77,7 @@ def test_cjk_prose_without_spaces_is_cut_at_punctuation(glm_tokenizer: ModelToke
     assert sum(len(e) for e in glm_tokenizer.tokenizer.encode_batch_fast(pieces)) == reference(glm_tokenizer, text)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(ATOMS, min_size=500, max_size=2500).map("".join), st.integers(min_value=100, max_value=600))
 def test_cuts_far_from_text_edges_sum_to_single_pass(glm_tokenizer: ModelTokenizer, text: str, piece_chars: int) -> None:
     """Texts longer than the verification window, so cuts are checked with partial context only."""
@@ -112,7 +113,7 @@ def isolating_counter(glm_tokenizer: ModelTokenizer) -> Iterator[TokenCounter]:
         yield c
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(TEXTS, st.sampled_from(["", "<|user|>", "<think>"])), max_size=4), st.integers(0, 2))
 def test_pieces_counted_in_the_helper_process_are_exact(
     glm_tokenizer: ModelTokenizer, isolating_counter: TokenCounter, parts: list[tuple[str, str]], delta: int
@@ -132,7 +133,7 @@ def isolated(glm_tokenizer: ModelTokenizer) -> Iterator[IsolatedCounter]:
         yield c
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(TEXTS, st.integers(0, 400), st.integers(0, 400), st.integers(1, 5))
 def test_helper_process_counts_any_span_sent_in_slices(
     glm_tokenizer: ModelTokenizer, isolated: IsolatedCounter, text: str, a: int, b: int, slice_chars: int

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from gateway.admission.count_cache import ENTRY_BYTES, CountCache
 from gateway.admission.counting import TokenCounter
 from gateway.admission.tokenizer import ModelTokenizer
+from tests.depth import examples
 
 WORDS = ["the", " cat", "\n", "  ", "你好", "😀", "123", "{", "}", "e\u0301", "<|user|>", "<think>", "\t", "٣٤"]
 
@@ -28,7 +29,7 @@ def reference(tok: ModelTokenizer, text: str) -> int:
     return len(tok.tokenizer.encode(text).ids)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(WORDS), max_size=300).map("".join), st.integers(-3, 3), st.booleans())
 def test_limit_never_changes_the_decision(
     glm_tokenizer: ModelTokenizer, counter: TokenCounter, text: str, delta: int, special: bool
@@ -45,7 +46,7 @@ def test_limit_never_changes_the_decision(
         assert exact <= limit
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(st.characters(blacklist_categories=["Cs"]), max_size=200))
 def test_tokens_never_exceed_bytes_nor_fall_below_the_floor(glm_tokenizer: ModelTokenizer, text: str) -> None:
     n = reference(glm_tokenizer, text)

@@ -20,7 +20,7 @@ from gateway.admission.parallel_count import EncodeFailed, encode_lengths
 from gateway.admission.tokenizer import ModelTokenizer
 
 MAX_LAG_S = 0.15
-CHARS = 1_500_000
+CHARS = 1_000_000
 IDEOGRAPHS = "".join(chr(0x4E00 + i * 7919 % 20_000) for i in range(4096))
 ADVERSARIAL = {
     "one_char": "a" * CHARS,

@@ -14,20 +14,12 @@ import jinja2
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import (
-    AddedToken,
-    Regex,
-    Tokenizer,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-    trainers,
-)
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from gateway.admission import gil, segmenting, self_check
 from gateway.admission.counting import TokenCounter
 from gateway.admission.tokenizer import ModelTokenizer
+from tests.depth import examples
 from tests.gateway_harness import GLM5_TEMPLATE
 
 GLM_SPLIT = (
@@ -120,7 +112,7 @@ def toy() -> ModelTokenizer:
     return toy_tokenizer(FLAGGED)
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(1000), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(TOY_ALPHABET), max_size=40).map("".join), st.integers(1, 6), st.integers(1, 6))
 def test_flags_lstrip_rstrip_single_word_normalized(toy: ModelTokenizer, text: str, scan: int, run: int) -> None:
     assert toy.segmentable and toy.pretok_cuttable
