@@ -66,6 +66,60 @@ def _validate_worker_url(url: str) -> str:
     return url.rstrip("/")
 
 
+PolicyName = Literal["round_robin", "random", "least_outstanding", "power_of_two", "prefix_affinity",
+                     "session_affinity"]
+
+
+class RoutingConfig(_Strict):
+    """How a model's requests are spread over its workers (see routing/policies/)."""
+
+    prefill_policy: PolicyName = "round_robin"
+    decode_policy: PolicyName = "round_robin"
+    affinity_header: str | None = Field(None, description="session_affinity: the header whose value keeps a session "
+                                                          "on one worker")
+    prefix_tokens: int = Field(64, ge=1, le=4096, description="prefix_affinity: leading token ids hashed")
+    load_poll_s: float = Field(2.0, gt=0, description="power_of_two: how often engines' loads are read; a reading "
+                                                       "older than 3 intervals is not trusted")
+    retries: int = Field(2, ge=0, le=5, description="other pairs tried when a worker provably never got the request")
+
+    @model_validator(mode="after")
+    def _session_needs_header(self) -> RoutingConfig:
+        if "session_affinity" in (self.prefill_policy, self.decode_policy) and not self.affinity_header:
+            raise ValueError("session_affinity needs affinity_header")
+        return self
+
+    @field_validator("affinity_header")
+    @classmethod
+    def _lowercase_header(cls, name: str | None) -> str | None:
+        return name.lower() if name else name
+
+
+class LimitsConfig(_Strict):
+    """Backpressure per model: beyond it requests wait in a bounded queue, then get 503 with Retry-After."""
+
+    max_inflight_per_worker: int | None = Field(1024, ge=1, description="requests in flight on one engine (null: "
+                                                                         "no limit)")
+    max_queue: int = Field(1024, ge=0, description="requests waiting for a worker with room")
+    queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue")
+
+
+class BreakerConfig(_Strict):
+    """Per worker, hence per leg: a decode failure never counts against a prefill worker."""
+
+    failure_threshold: int = Field(5, ge=1, description="failures in a row that open the breaker")
+    success_threshold: int = Field(2, ge=1, description="probe successes in a row that close it")
+    open_s: float = Field(10.0, gt=0, description="how long it stays open before a probe")
+
+
+class HealthConfig(_Strict):
+    path: str = Field("/server_info", pattern=r"^/", description="checked every interval; /server_info is read and "
+                                                                  "judged anyway")
+    interval_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(5.0, gt=0)
+    failure_threshold: int = Field(3, ge=1)
+    success_threshold: int = Field(2, ge=1)
+
+
 class ModelConfig(_Strict):
     name: str = Field(min_length=1)
     tokenizer: Path
@@ -81,6 +135,11 @@ class ModelConfig(_Strict):
         "verified", description="verified: no output before every engine's prompt count equals the gateway's")
     chat_template_kwargs: list[str] | None = Field(
         None, description="keys a client may send in chat_template_kwargs (default: the template's own variables)")
+    routing: RoutingConfig = RoutingConfig()
+    limits: LimitsConfig = LimitsConfig()
+    circuit_breaker: BreakerConfig = BreakerConfig()
+    health: HealthConfig | None = Field(None, description="this model's workers' health checks (default: the "
+                                                          "top-level health block)")
     prefill: list[PrefillWorkerConfig] = Field(min_length=1)
     decode: list[DecodeWorkerConfig] = Field(min_length=1)
 
@@ -117,11 +176,8 @@ class GateConfig(_Strict):
     start_anyway: bool = Field(False, description="serve other models when one fails the gate; it answers 503")
 
 
-class HealthConfig(_Strict):
-    interval_s: float = Field(5.0, gt=0)
-    timeout_s: float = Field(5.0, gt=0)
-    failure_threshold: int = Field(3, ge=1)
-    success_threshold: int = Field(2, ge=1)
+class ShutdownConfig(_Strict):
+    grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may take to finish")
 
 
 class GatewayConfig(_Strict):
@@ -129,6 +185,7 @@ class GatewayConfig(_Strict):
     timeouts: TimeoutsConfig = TimeoutsConfig()
     gate: GateConfig = GateConfig()
     health: HealthConfig = HealthConfig()
+    shutdown: ShutdownConfig = ShutdownConfig()
     max_body_bytes: int = Field(64 * 2**20, gt=0)
     max_header_bytes: int = Field(64 * 1024, gt=0, description="request line plus all headers")
     max_headers: int = Field(100, gt=0)
@@ -147,6 +204,9 @@ class GatewayConfig(_Strict):
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def health_of(self, model: ModelConfig) -> HealthConfig:
+        return model.health or self.health
 
 
 def load_config(path: str | Path) -> GatewayConfig:

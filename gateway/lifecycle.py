@@ -27,8 +27,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from contextlib import ExitStack
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -40,7 +39,8 @@ from gateway.errors import GatewayError
 from routing.engines.client import error_message
 from routing.engines.errors import (EngineBroken, EngineChanged, EngineError, EngineRejected, EngineTimeout,
                                     is_length_rejection)
-from routing.pools import WorkerPair
+from routing.pools import Lease
+from routing.retry_budget import RetryBudget
 from routing.workers import Worker
 
 log = logging.getLogger("kvgate.lifecycle")
@@ -112,6 +112,16 @@ class PromptMismatch:
     worker: str
     reported: int | None
     expected: int
+
+
+@dataclass(frozen=True, slots=True)
+class Retries:
+    """Other pairs to try when a worker provably never got the request (its connection failed before anything was
+    sent): at most `attempts` more, each allowed by the gateway's retry budget."""
+
+    attempts: int
+    repick: Callable[[Collection[Worker]], Lease | None]
+    budget: RetryBudget
 
 
 # ── what the lifecycle needs from the engine client (a fake one drives the in-process tests) ─────────────────
@@ -193,11 +203,12 @@ class PDExchange:
     The halves never tear themselves down because of something outside their own engine: every timeout is a timer
     of the exchange and every cancellation goes through `_cancel`, which keeps the order above."""
 
-    def __init__(self, engines: Engines, pair: WorkerPair, admitted: AdmittedRequest, *, timeouts: TimeoutsConfig,
+    def __init__(self, engines: Engines, lease: Lease, admitted: AdmittedRequest, *, timeouts: TimeoutsConfig,
                  release: Release, registry: ExchangeRegistry, rooms: RoomAllocator,
-                 on_closed: Callable[[PDExchange], None] | None = None) -> None:
+                 on_closed: Callable[[PDExchange], None] | None = None, retries: Retries | None = None) -> None:
         self.engines = engines
-        self.pair = pair
+        self._lease = lease
+        self.pair = pair = lease.pair
         self.admitted = admitted
         self.timeouts = timeouts
         self.rid = new_rid()
@@ -222,20 +233,20 @@ class PDExchange:
         self._rooms = rooms
         self._registry = registry
         self._on_closed = on_closed
-        self._loads = ExitStack()
+        self._retries = retries
+        self._judged: set[Worker] = set()  # workers whose outcome this exchange has reported
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatch_task: asyncio.Task[None] | None = None
         self._prefill_task: asyncio.Task[None] | None = None
         self._decode_task: asyncio.Task[None] | None = None
         self._sent = False
+        self.retries_made = 0
         self._links: Sequence[EngineLink] = ()
         self._timers: list[asyncio.TimerHandle] = []
         self._watchdog: IdleWatchdog | None = None
 
     # ── dispatch ────────────────────────────────────────────────────────────────────────────────────────────
     def start(self) -> None:
-        self._loads.enter_context(self.pair.prefill.load())
-        self._loads.enter_context(self.pair.decode.load())
         self._registry.running.add(self)
         self._dispatch_task = self._spawn(self._dispatch())
         loop, timeouts = asyncio.get_running_loop(), self.timeouts
@@ -244,18 +255,27 @@ class PDExchange:
                         loop.call_later(timeouts.total_s, self._total_timeout)]
 
     async def _dispatch(self) -> None:
-        links = await asyncio.gather(self.engines.connect(self.pair.prefill), self.engines.connect(self.pair.decode),
-                                     return_exceptions=True)
-        failed = [link for link in links if isinstance(link, BaseException)]
-        if failed:
+        tried: set[Worker] = set()
+        while True:
+            links = await asyncio.gather(self.engines.connect(self.pair.prefill),
+                                         self.engines.connect(self.pair.decode), return_exceptions=True)
+            failed = [(worker, link) for worker, link in zip((self.pair.prefill, self.pair.decode), links)
+                      if isinstance(link, BaseException)]
+            if not failed:
+                break
             for link in links:
                 if not isinstance(link, BaseException):
                     link.release()
-            if not isinstance(failed[0], EngineError):
-                raise failed[0]
-            self.fail(map_engine_error(failed[0]))  # neither half was sent anything
-            return
-        prefill_link, decode_link = self._links = links
+            for worker, error in failed:
+                if not isinstance(error, EngineError):
+                    raise error
+                self._judge(worker, error)
+                tried.add(worker)
+            # Nothing was sent to either engine: another pair may serve the request.
+            if not self._retry_elsewhere(tried):
+                self.fail(map_engine_error(failed[0][1]))  # type: ignore[arg-type]
+                return
+        prefill_link, decode_link = self._links = links  # type: ignore[assignment]
         try:
             prefill_count, decode_count = self._expected_counts()
         except GatewayError as refusal:
@@ -267,6 +287,36 @@ class PDExchange:
         self._sent = True
         self._prefill_task = self._spawn(self._run_prefill(prefill_link, prefill_body, prefill_count))
         self._decode_task = self._spawn(self._run_decode(decode_link, decode_body, decode_count))
+
+    def _retry_elsewhere(self, tried: set[Worker]) -> bool:
+        """Move to another pair with a fresh rid and room, if retries, the budget and the pool allow."""
+        retries = self._retries
+        if retries is None or self.retries_made >= retries.attempts or self.failure is not None:
+            return False
+        if not retries.budget.withdraw():
+            return False
+        lease = retries.repick(tried)
+        if lease is None:
+            return False
+        self.retries_made += 1
+        pair = lease.pair
+        log.info("rid=%s: retrying on prefill %s / decode %s (%d tried)", self.rid, pair.prefill.url, pair.decode.url,
+                 len(tried))
+        self._lease.release()
+        self._lease, self.pair = lease, pair
+        self._rooms.release(self.room)
+        self.rid, self.room = new_rid(), self._rooms.acquire()
+        return True
+
+    def _judge(self, worker: Worker, error: EngineError | None) -> None:
+        """Report once what this request said about an engine: a success, or a failure of the engine's own
+        (5xx, broken connection, timeout). A 4xx is the request's fault and says nothing."""
+        if worker in self._judged:
+            return
+        if isinstance(error, EngineRejected) and error.status < 500:
+            return
+        self._judged.add(worker)
+        worker.record_outcome(error is None)
 
     def _expected_counts(self) -> tuple[int, int]:
         """Each engine's prompt count as the gateway counted it for that engine's version — checked again against
@@ -325,7 +375,7 @@ class PDExchange:
             timer.cancel()
         if self._watchdog is not None:
             self._watchdog.stop()
-        self._loads.close()
+        self._lease.release()
         self._rooms.release(self.room)
         self._registry.running.discard(self)
         self.closed.set_result(None)
@@ -358,16 +408,22 @@ class PDExchange:
 
     def _prefill_timeout(self) -> None:
         if not self._prefill_settled.is_set():
-            self.fail(map_engine_error(EngineTimeout(
-                "prefill", f"prefill did not answer within {self.timeouts.prefill_s:g}s")))
+            self._fail_leg(self.pair.prefill, EngineTimeout(
+                "prefill", f"prefill did not answer within {self.timeouts.prefill_s:g}s"))
 
     def _first_token_timeout(self) -> None:
         if self.first_token_at is None:
-            self.fail(map_engine_error(EngineTimeout(
-                "decode", f"decode produced no first token within {self.timeouts.first_token_s:g}s")))
+            self._fail_leg(self.pair.decode, EngineTimeout(
+                "decode", f"decode produced no first token within {self.timeouts.first_token_s:g}s"))
 
     def _idle_timeout(self) -> None:
-        self.fail(map_engine_error(EngineTimeout("decode", f"decode sent nothing for {self.timeouts.idle_s:g}s")))
+        self._fail_leg(self.pair.decode, EngineTimeout("decode", f"decode sent nothing for {self.timeouts.idle_s:g}s"))
+
+    def _fail_leg(self, worker: Worker, error: EngineError) -> None:
+        """A failure of one engine's own: it counts against that worker (its breaker), and ends the exchange."""
+        if self.failure is None and self._sent:
+            self._judge(worker, error)
+        self.fail(map_engine_error(error))
 
     def _total_timeout(self) -> None:
         self.fail(GatewayError(504, f"request exceeded its total time limit of {self.timeouts.total_s:g}s",
@@ -432,17 +488,20 @@ class PDExchange:
             result = _parse_result("prefill", payload)
             self._verify_count("prefill", worker, _reported_prompt_tokens(self.admitted.route, result), expected)
             self._prefill_ok = True
+            self._judge(worker, None)
             self._maybe_release()
             self._maybe_let_go()
         except PromptCountMismatch as exc:
+            self._judge(worker, EngineBroken("prefill", str(exc)))
             self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
         except EngineRejected as error:
             self._prefill_settled.set()  # it answered
-            self.fail(map_engine_error(error))
+            self._fail_leg(worker, error)
         except EngineError as error:
-            self.fail(map_engine_error(error))
+            self._fail_leg(worker, error)
         except Exception:  # an answer this code did not foresee must still end the request, never hang it
             log.exception("prefill answer for rid=%s could not be handled", self.rid)
+            self._judge(worker, EngineBroken("prefill", "unforeseen answer"))
             self.fail(GatewayError(502, "the prefill engine's answer could not be handled", code="prefill_failed"))
         finally:
             if response is not None:
@@ -476,17 +535,20 @@ class PDExchange:
                 raise EngineBroken("decode", "decode stream ended without [DONE]")
             if self._release_verified and not self._decode_counted:
                 raise EngineBroken("decode", "decode never reported its prompt token count")
+            self._judge(worker, None)
             self._maybe_release()
         except PromptCountMismatch as exc:
+            self._judge(worker, EngineBroken("decode", str(exc)))
             self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
             await _parked()  # keep the connection: `_cancel` closes it in the safe order
         except EngineError as error:
-            self.fail(map_engine_error(error))
+            self._fail_leg(worker, error)
         except asyncio.CancelledError:
             if self.failure is None and not self.client_gone:
                 raise
         except Exception:  # an answer this code did not foresee must still end the request, never hang it
             log.exception("decode stream for rid=%s could not be handled", self.rid)
+            self._judge(worker, EngineBroken("decode", "unforeseen answer"))
             self.fail(GatewayError(502, "the decode engine's answer could not be handled", code="decode_failed"))
             await _parked()
         finally:

@@ -23,9 +23,11 @@ async def collect(config: GatewayConfig) -> list[ModelJudgement]:
     engines = EngineClient(connect_timeout_s=config.timeouts.connect_s, verify_timeout_s=config.health.timeout_s,
                            abort_timeout_s=config.timeouts.abort_s)
     try:
-        specs = [model_spec(m) for m in config.models]
-        monitor = WorkerMonitor(engines, [(spec, pool_for(spec)) for spec in specs], health_spec(config),
-                                lambda judgement, startup: None)
+        watched = []
+        for model in config.models:
+            spec = model_spec(model)
+            watched.append((spec, pool_for(spec), health_spec(config.health_of(model))))
+        monitor = WorkerMonitor(engines, watched, lambda judgement, startup: None)
         return await monitor.verify_startup(config.gate.startup_timeout_s)
     finally:
         await engines.close()

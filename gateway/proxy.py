@@ -19,7 +19,7 @@ from gateway.assemble import assembler_for
 from gateway.body import RequestBody
 from gateway.errors import GatewayError
 from gateway.lifecycle import ClientGone, Done, Failure, PDExchange
-from routing.pools import NoWorkerAvailable
+from routing.pools import NoWorkerAvailable, PoolSaturated
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway
@@ -132,14 +132,20 @@ class GenerateEndpoint:
             return None
         try:
             model, admitted = await gateway.admit(self.route, body, tenant=tenant_of(scope))
-            pair = model.pool.pick_pair()
+            key = model.route_key(admitted, scope["headers"])
+            lease = await model.pool.acquire_pair(key)
         except NoWorkerAvailable as exc:
             await send_error(send, GatewayError(503, str(exc), code="no_worker_available"))
+            return None
+        except PoolSaturated as exc:
+            gateway.metrics.overloaded.labels(model.name).inc()
+            await send_error(send, GatewayError(503, str(exc), code="overloaded"),
+                             [(b"retry-after", str(exc.retry_after_s).encode())])
             return None
         except GatewayError as error:
             await send_error(send, error)
             return None
-        return gateway.dispatch(model, pair, admitted)
+        return gateway.dispatch(model, lease, admitted, key)
 
 
 def _count_header(exchange: PDExchange) -> list[tuple[bytes, bytes]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
@@ -13,16 +14,21 @@ from gateway.admission.offload import AdmissionWorkers, ModelState
 from gateway.admission.pipeline import admit_body, build_admission, resolve_model
 from gateway.admission.requests import Route
 from gateway.body import RequestBody
-from gateway.config import GatewayConfig, ModelConfig
-from gateway.lifecycle import ExchangeRegistry, PDExchange, RoomAllocator
-from gateway.telemetry.metrics import GatewayMetrics
-from routing.engines.client import EngineClient
+from gateway.config import GatewayConfig, HealthConfig, ModelConfig
+from gateway.lifecycle import ExchangeRegistry, PDExchange, Retries, RoomAllocator
 from gateway.preflight import describe_refusal
+from gateway.telemetry.metrics import GatewayMetrics
+from routing.breaker import BreakerSpec
+from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
+from routing.loads import LoadPoller
 from routing.monitor import WorkerMonitor
-from routing.pools import ModelPool, WorkerPair, pool_for
-from routing.specs import HealthSpec, ModelSpec
-from routing.workers import WorkerSpec
+from routing.policies import NO_KEY, RouteKey, make_policy
+from routing.pools import Lease, ModelPool, NoWorkerAvailable, PoolSaturated, pool_for
+from routing.retry_budget import RetryBudget
+from routing.specs import HealthSpec, ModelSpec, PoolLimits
+from routing.stable_hash import stable_hash
+from routing.workers import Worker, WorkerSpec
 
 log = logging.getLogger("kvgate")
 
@@ -49,6 +55,22 @@ class ServedModel:
     def chat_settings(self) -> ChatSettings:
         return self.admission.chat
 
+    def route_key(self, admitted: AdmittedRequest, headers: list[tuple[bytes, bytes]]) -> RouteKey:
+        """What the model's policies route this request by."""
+        session = None
+        header = self.affinity_header
+        if header is not None:
+            value = next((v for k, v in headers if k == header), None)
+            session = stable_hash(value) if value is not None else None
+        if admitted.prefix_hash is None and session is None:
+            return NO_KEY
+        return RouteKey(prefix=admitted.prefix_hash, session=session)
+
+    @property
+    def affinity_header(self) -> bytes | None:
+        name = self.config.routing.affinity_header
+        return name.encode("latin-1") if name else None
+
     def dialects(self) -> frozenset[Dialect]:
         """The SGLang dialects of the model's verified workers: a chat is counted once for each."""
         found = frozenset(dialect_for(w.verified.version) for w in self.pool.workers if w.verified is not None)
@@ -56,23 +78,30 @@ class ServedModel:
 
 
 def model_spec(config: ModelConfig) -> ModelSpec:
+    limits, breaker = config.limits, config.circuit_breaker
     return ModelSpec(
         name=config.name, context_length=config.context_length,
         configured_prompt_limit=config.configured_prompt_limit, on_pool_mismatch=config.on_pool_mismatch,
         min_engine_version=config.min_engine_version, on_old_engine=config.on_old_engine,
         prefill=tuple(WorkerSpec(w.url, "prefill", w.bootstrap_port) for w in config.prefill),
-        decode=tuple(WorkerSpec(w.url, "decode") for w in config.decode))
+        decode=tuple(WorkerSpec(w.url, "decode") for w in config.decode),
+        limits=PoolLimits(limits.max_inflight_per_worker, limits.max_queue, limits.queue_timeout_s),
+        breaker=BreakerSpec(breaker.failure_threshold, breaker.success_threshold, breaker.open_s))
 
 
-def health_spec(config: GatewayConfig) -> HealthSpec:
-    health = config.health
-    return HealthSpec(health.interval_s, health.timeout_s, health.failure_threshold, health.success_threshold)
+def health_spec(health: HealthConfig) -> HealthSpec:
+    return HealthSpec(health.interval_s, health.timeout_s, health.failure_threshold, health.success_threshold,
+                      health.path)
 
 
 def build_model(config: ModelConfig, *, cache_bytes: int) -> ServedModel:
     """Load the tokenizer and chat template (slow: call off the event loop) and lay out the worker pool."""
     spec = model_spec(config)
-    return ServedModel(config, spec, build_admission(config, cache_bytes=cache_bytes), pool_for(spec))
+    routing = config.routing
+    max_age_s = 3 * routing.load_poll_s
+    pool = pool_for(spec, prefill_policy=make_policy(routing.prefill_policy, load_max_age_s=max_age_s),
+                    decode_policy=make_policy(routing.decode_policy, load_max_age_s=max_age_s))
+    return ServedModel(config, spec, build_admission(config, cache_bytes=cache_bytes), pool)
 
 
 class GateRefused(Exception):
@@ -93,6 +122,8 @@ class Gateway:
         self.engines: EngineClient | None = None
         self.monitor: WorkerMonitor | None = None
         self.admission_workers: AdmissionWorkers | None = None
+        self.load_pollers: list[LoadPoller] = []
+        self.retry_budget = RetryBudget()
         self.judgements: dict[str, ModelJudgement] = {}
         self.refusal: str | None = None  # why startup refused to serve, as printed for the operator
 
@@ -109,8 +140,9 @@ class Gateway:
                                     abort_timeout_s=timeouts.abort_s)
         self.metrics.watch_token_caches(
             lambda: [(m.name, m.admission.counter.cache_stats) for m in self.models.values()])
-        self.monitor = WorkerMonitor(self.engines, [(m.spec, m.pool) for m in self.models.values()],
-                                     health_spec(self.config), self._apply_judgement)
+        self.monitor = WorkerMonitor(
+            self.engines, [(m.spec, m.pool, health_spec(self.config.health_of(m.config))) for m in self.models.values()],
+            self._apply_judgement)
         judgements = await self.monitor.verify_startup(self.config.gate.startup_timeout_s)
         refused = [j for j in judgements if not j.passes]
         if refused and not self.config.gate.start_anyway:
@@ -118,8 +150,16 @@ class Gateway:
             self.refusal = str(error)
             raise error
         self.monitor.start()
+        for model in self.models.values():
+            routing = model.config.routing
+            if "power_of_two" in (routing.prefill_policy, routing.decode_policy):
+                poller = LoadPoller(self.engines, lambda pool=model.pool: pool.workers, interval_s=routing.load_poll_s)
+                poller.start()
+                self.load_pollers.append(poller)
 
     async def stop(self) -> None:
+        for poller in self.load_pollers:
+            await poller.stop()
         if self.monitor is not None:
             await self.monitor.stop()
         await self.exchanges.drain(timeout_s=5.0)
@@ -144,11 +184,21 @@ class Gateway:
             admitted = await self.admission_workers.admit(route, body.path, tenant=tenant, state=state)
         return self.models[admitted.model], admitted
 
-    def dispatch(self, model: ServedModel, pair: WorkerPair, admitted: AdmittedRequest) -> PDExchange:
+    def dispatch(self, model: ServedModel, lease: Lease, admitted: AdmittedRequest,
+                 key: RouteKey = NO_KEY) -> PDExchange:
         assert self.engines is not None
-        exchange = PDExchange(self.engines, pair, admitted, timeouts=self.config.timeouts,
+
+        def repick(tried: Collection[Worker]) -> Lease | None:
+            try:
+                return model.pool.pick_pair(key, exclude=tried)
+            except (NoWorkerAvailable, PoolSaturated):
+                return None
+
+        self.retry_budget.deposit()
+        retries = Retries(model.config.routing.retries, repick, self.retry_budget)
+        exchange = PDExchange(self.engines, lease, admitted, timeouts=self.config.timeouts,
                               release=model.config.release, registry=self.exchanges, rooms=self.rooms,
-                              on_closed=self._exchange_closed)
+                              on_closed=self._exchange_closed, retries=retries)
         exchange.start()
         return exchange
 
@@ -163,6 +213,8 @@ class Gateway:
         return not problems, problems
 
     def _exchange_closed(self, exchange: PDExchange) -> None:
+        if exchange.retries_made:
+            self.metrics.retries.labels(exchange.admitted.model).inc(exchange.retries_made)
         if exchange.mismatch is not None:
             self.metrics.prompt_mismatches.labels(exchange.admitted.model, exchange.mismatch.role).inc()
 

@@ -27,9 +27,11 @@ class Reading:
     error: str | None = None
     # `sglang:max_total_num_tokens` from /metrics, when the engine exports metrics (a cross-check).
     metrics_pool_tokens: int | None = None
+    healthy: bool = True  # the configured health path answered 2xx (always, when it is /server_info)
 
 
-async def read_worker(engines: EngineClient, url: str, *, timeout_s: float, with_metrics: bool) -> Reading:
+async def read_worker(engines: EngineClient, url: str, *, timeout_s: float, with_metrics: bool,
+                      health_path: str = "/server_info") -> Reading:
     try:
         server_info = await _server_info(engines, url, timeout_s)
         models = await engines.get_json(url, "/v1/models", timeout_s=timeout_s)
@@ -40,7 +42,16 @@ async def read_worker(engines: EngineClient, url: str, *, timeout_s: float, with
     except (KeyError, TypeError, ValueError) as exc:
         return Reading(None, f"{url}: unusable server info ({exc!r})")
     pool_metric = await _metrics_pool(engines, url, timeout_s) if with_metrics else None
-    return Reading(info, metrics_pool_tokens=pool_metric)
+    healthy = health_path == "/server_info" or await _answers(engines, url, health_path, timeout_s)
+    return Reading(info, metrics_pool_tokens=pool_metric, healthy=healthy)
+
+
+async def _answers(engines: EngineClient, url: str, path: str, timeout_s: float) -> bool:
+    try:
+        status, _ = await engines.get(url, path, timeout_s=timeout_s)
+    except EngineError:
+        return False
+    return 200 <= status < 300
 
 
 async def _server_info(engines: EngineClient, url: str, timeout_s: float) -> Any:

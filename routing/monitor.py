@@ -1,9 +1,10 @@
-"""Watches every worker: reads its telemetry at startup (with retries), then every health interval and whenever a
-worker drops out pending re-verification; applies the KV-pool gate's verdicts to the workers and hands each
-model's judgement to the gateway before the next request is admitted.
+"""Watches every worker: reads its telemetry at startup (with retries), then every health interval of its model and
+whenever a worker drops out pending re-verification; applies the KV-pool gate's verdicts to the workers and hands
+each model's judgement to the gateway before the next request is admitted.
 
 Reading `/server_info` doubles as the health check: it is cheap on SGLang (its `/health` may run a real generation),
-and it is what reveals a restart with a different pool.
+and it is what reveals a restart with a different pool. A model may name another health path; it is then fetched
+too, and a worker is healthy only while both answer.
 """
 
 from __future__ import annotations
@@ -27,18 +28,24 @@ OnJudgement = Callable[[ModelJudgement, bool], None]
 _MIN_REREAD_S = 0.05
 
 
+Watched = tuple[ModelSpec, ModelPool, HealthSpec]
+
+
 class WorkerMonitor:
-    def __init__(self, engines: EngineClient, models: list[tuple[ModelSpec, ModelPool]], health: HealthSpec,
-                 on_judgement: OnJudgement) -> None:
+    def __init__(self, engines: EngineClient, models: list[Watched], on_judgement: OnJudgement) -> None:
         self._engines = engines
         self._models = models
-        self._health = health
         self._on_judgement = on_judgement
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        for _, pool in models:
+        self._tasks: list[asyncio.Task[None]] = []
+        self._wake = {spec.name: asyncio.Event() for spec, _, _ in models}
+        for spec, pool, _ in models:
             for worker in pool.workers:
-                worker.on_needs_verification(lambda _: self._wake.set())
+                self.watch(spec.name, worker)
+
+    def watch(self, model: str, worker: Worker) -> None:
+        """Read `worker` again whenever it drops out pending re-verification."""
+        wake = self._wake[model]
+        worker.on_needs_verification(lambda _: wake.set())
 
     async def verify_startup(self, timeout_s: float) -> list[ModelJudgement]:
         """Read every worker, retrying unreachable ones with backoff until `timeout_s`, then judge each model."""
@@ -46,11 +53,12 @@ class WorkerMonitor:
         readings: dict[Worker, Reading] = {}
         backoff_s = 0.1
         while True:
-            pending = [w for _, pool in self._models for w in pool.workers
+            pending = [(w, health) for _, pool, health in self._models for w in pool.workers
                        if w not in readings or readings[w].info is None]
-            results = await asyncio.gather(*(self._read(w, with_metrics=True) for w in pending))
-            readings.update(zip(pending, results))
-            unreachable = [w for w in pending if readings[w].info is None]
+            results = await asyncio.gather(*(self._read(w, health, with_metrics=True) for w, health in pending))
+            pending_workers = [w for w, _ in pending]
+            readings.update(zip(pending_workers, results))
+            unreachable = [w for w in pending_workers if readings[w].info is None]
             remaining_s = deadline - time.monotonic()
             if not unreachable or remaining_s <= 0:
                 break
@@ -59,24 +67,31 @@ class WorkerMonitor:
             await asyncio.sleep(min(backoff_s, remaining_s))
             backoff_s = min(backoff_s * 2, 2.0)
         return [self._judge(spec, {w: readings[w] for w in pool.workers}, startup=True)
-                for spec, pool in self._models]
+                for spec, pool, _ in self._models]
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvgate-worker-monitor")
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(watched), name=f"kvgate-monitor-{watched[0].name}")
+                       for watched in self._models]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def poll_once(self) -> None:
-        for spec, pool in self._models:
-            results = await asyncio.gather(*(self._read(w, with_metrics=False) for w in pool.workers))
-            readings = dict(zip(pool.workers, results))
-            for worker, reading in readings.items():
-                worker.record_health(reading.info is not None, failure_threshold=self._health.failure_threshold,
-                                     success_threshold=self._health.success_threshold)
-            self._judge(spec, readings, startup=False)
+        for watched in self._models:
+            await self._poll(watched)
+
+    async def _poll(self, watched: Watched) -> None:
+        spec, pool, health = watched
+        workers = list(pool.workers)
+        results = await asyncio.gather(*(self._read(w, health, with_metrics=False) for w in workers))
+        readings = dict(zip(workers, results))
+        for worker, reading in readings.items():
+            worker.record_health(reading.info is not None and reading.healthy,
+                                 failure_threshold=health.failure_threshold, success_threshold=health.success_threshold)
+        self._judge(spec, readings, startup=False)
 
     def _judge(self, spec: ModelSpec, readings: dict[Worker, Reading], *, startup: bool) -> ModelJudgement:
         """Judge a model, apply each verdict to its worker, then let the gateway follow (limits, metrics)."""
@@ -90,20 +105,21 @@ class WorkerMonitor:
         self._on_judgement(judgement, startup)
         return judgement
 
-    async def _run(self) -> None:
+    async def _run(self, watched: Watched) -> None:
+        wake = self._wake[watched[0].name]
         while True:
             try:
-                async with asyncio.timeout(self._health.interval_s):
-                    await self._wake.wait()
+                async with asyncio.timeout(watched[2].interval_s):
+                    await wake.wait()
                 await asyncio.sleep(_MIN_REREAD_S)
             except TimeoutError:
                 pass
-            self._wake.clear()
+            wake.clear()
             try:
-                await self.poll_once()
+                await self._poll(watched)
             except Exception:  # the monitor must outlive any one bad reading
                 log.exception("worker monitor poll failed")
 
-    async def _read(self, worker: Worker, *, with_metrics: bool) -> Reading:
-        return await read_worker(self._engines, worker.url, timeout_s=self._health.timeout_s,
-                                 with_metrics=with_metrics)
+    async def _read(self, worker: Worker, health: HealthSpec, *, with_metrics: bool) -> Reading:
+        return await read_worker(self._engines, worker.url, timeout_s=health.timeout_s, with_metrics=with_metrics,
+                                 health_path=health.path)

@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from routing.breaker import BreakerSpec
 from routing.workers import WorkerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLimits:
+    """Backpressure: requests in flight per worker (through this gateway), and the bounded wait when all are full."""
+
+    max_inflight_per_worker: int | None = 1024
+    max_queue: int = 1024
+    queue_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +30,8 @@ class ModelSpec:
     on_old_engine: Literal["warn", "refuse"]
     prefill: tuple[WorkerSpec, ...]
     decode: tuple[WorkerSpec, ...]
+    limits: PoolLimits = PoolLimits()
+    breaker: BreakerSpec = BreakerSpec()
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,3 +42,4 @@ class HealthSpec:
     timeout_s: float
     failure_threshold: int
     success_threshold: int
+    path: str = "/server_info"  # any other path is also fetched, and must answer 2xx

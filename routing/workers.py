@@ -8,13 +8,16 @@ the monitor has read and judged it again.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
+from routing.breaker import BreakerSpec, BreakerState, CircuitBreaker
 from routing.engines.identity import EngineIdentity
+from routing.stable_hash import stable_hash
 
 Role = Literal["prefill", "decode"]
 
@@ -31,8 +34,11 @@ class WorkerSpec:
 class Worker:
     """One engine: where it is, what the gate verified about it, whether it is healthy, what it is doing."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, *, breaker: BreakerSpec = BreakerSpec(),
+                 max_inflight: int | None = None) -> None:
+        self.spec = spec
         self.url = spec.url
+        self.hash_seed = stable_hash(spec.url.encode())  # this worker's place in rendezvous hashing
         self.role: Role = spec.role
         self.bootstrap_port = spec.bootstrap_port
         host = urlsplit(spec.url).hostname or ""
@@ -45,6 +51,11 @@ class Worker:
         self._failures = 0
         self._successes = 0
         self._on_needs_verification: Callable[[Worker], None] | None = None
+        self._on_released: Callable[[Worker], None] | None = None
+        self._breaker = CircuitBreaker(breaker)
+        self._max_inflight = max_inflight
+        self._draining = False
+        self._engine_load: tuple[float, int] | None = None  # (when read, KV tokens in use or queued)
 
     def __repr__(self) -> str:
         return f"Worker({self.role} {self.url})"
@@ -61,17 +72,43 @@ class Worker:
 
     @property
     def usable(self) -> bool:
-        return self._healthy and self._verified is not None
+        """In rotation: verified, healthy, not draining, its breaker not open. (It may still be at capacity.)"""
+        return self._healthy and self._verified is not None and not self._draining and self._breaker.admits()
+
+    @property
+    def has_room(self) -> bool:
+        return self._max_inflight is None or self._in_flight < self._max_inflight
 
     @property
     def out_of_rotation_reason(self) -> str:
         if self._verified is None:
             return self._out_reason
-        return "" if self._healthy else "unhealthy"
+        if not self._healthy:
+            return "unhealthy"
+        if self._draining:
+            return "draining"
+        if not self._breaker.admits():
+            return f"circuit breaker {self._breaker.state.value}"
+        return ""
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def breaker_state(self) -> BreakerState:
+        return self._breaker.state
+
+    def engine_load(self, max_age_s: float) -> int | None:
+        """The engine's own load (KV tokens in use or queued) if read within `max_age_s`; stale data is not trusted."""
+        reading = self._engine_load
+        if reading is None or time.monotonic() - reading[0] > max_age_s:
+            return None
+        return reading[1]
 
     # ── transitions ─────────────────────────────────────────────────────────────────────────────────────────
     def accept(self, identity: EngineIdentity) -> None:
@@ -111,18 +148,45 @@ class Worker:
                 self._healthy = False
                 log.warning("worker %s is unhealthy", self.url)
 
+    def record_outcome(self, ok: bool) -> None:
+        """What one request's leg on this engine said about it (see routing.breaker for what counts)."""
+        before = self._breaker.state
+        self._breaker.record(ok)
+        after = self._breaker.state
+        if after is not before:
+            log_level = logging.WARNING if after is BreakerState.OPEN else logging.INFO
+            log.log(log_level, "worker %s (%s): circuit breaker %s", self.url, self.role, after.value)
+
+    def record_engine_load(self, tokens: int) -> None:
+        self._engine_load = (time.monotonic(), tokens)
+
+    def drain(self) -> None:
+        """No new requests; those in flight finish."""
+        if not self._draining:
+            log.info("worker %s (%s) is draining (%d in flight)", self.url, self.role, self._in_flight)
+        self._draining = True
+
+    def on_released(self, callback: Callable[[Worker], None]) -> None:
+        """`callback(worker)` runs whenever a request on this worker ends (a waiting request may take its place)."""
+        self._on_released = callback
+
     def on_needs_verification(self, callback: Callable[[Worker], None]) -> None:
         """`callback(worker)` runs whenever the worker drops out pending re-verification (the monitor reads it)."""
         self._on_needs_verification = callback
 
     @contextmanager
     def load(self) -> Iterator[None]:
-        """Counts one request on this worker for as long as the block runs."""
+        """Counts one request on this worker for as long as the block runs (while the breaker is half-open, it is
+        the probe)."""
         self._in_flight += 1
+        self._breaker.on_dispatch()
         try:
             yield
         finally:
             self._in_flight -= 1
+            self._breaker.released_without_outcome()
+            if self._on_released is not None:
+                self._on_released(self)
 
     def _drop_verification(self, reason: str) -> None:
         was_verified = self._verified is not None

@@ -9,6 +9,7 @@ workers; each engine's own report is later checked against the count for its dia
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ from gateway.admission.dialects import Dialect, dialect_for
 from gateway.admission.tokenizer import ModelTokenizer
 from gateway.admission.requests import ClientRequest, IdsPrompt, Route, TextPrompt, UsageOptions
 from gateway.errors import bad_request, context_length_exceeded
+from routing.stable_hash import stable_hash
 
 T = TypeVar("T")
 
@@ -38,6 +40,10 @@ class PromptLimits:
     decode_pool_tokens: int | None = None
 
 
+# A prompt's head for the prefix hash: token ids, or (text, whether the engine adds special tokens to it).
+PromptHead = list[Any] | tuple[str, bool]
+
+
 @dataclass(frozen=True, slots=True)
 class AdmittedRequest:
     """A request that fits: the engine body to forward and the gateway's own count of its prompt."""
@@ -49,6 +55,7 @@ class AdmittedRequest:
     prompt_tokens: dict[Dialect, int]
     max_new_tokens: int
     usage: UsageOptions
+    prefix_hash: int | None = None  # the prompt's first token ids (and cache_salt), for prefix affinity
 
     def prompt_tokens_for(self, engine_version: str) -> int | None:
         """The gateway's count as an engine of that version renders the prompt (None: not counted for it)."""
@@ -63,8 +70,10 @@ class Admission:
     """Counts and checks one model's prompts."""
 
     def __init__(self, model: str, tokenizer: ModelTokenizer, counter: TokenCounter, template: ChatTemplate,
-                 chat: ChatSettings, limits: PromptLimits) -> None:
+                 chat: ChatSettings, limits: PromptLimits, *, prefix_tokens: int | None = None) -> None:
+        """`prefix_tokens`: hash that many leading token ids of each prompt (a prefix-affinity policy routes by it)."""
         self.model = model
+        self.prefix_tokens = prefix_tokens
         self.tokenizer = tokenizer
         self.counter = counter
         self.template = template
@@ -78,8 +87,8 @@ class Admission:
                     off_loop: bool = False) -> AdmittedRequest:
         """`off_loop`: render, check ids and serialise in a thread (a large body)."""
         limits = self.limits
-        results = await self._count(request, tenant=tenant, limit=limits.prompt_tokens, dialects=dialects,
-                                    off_loop=off_loop)
+        results, head = await self._count(request, tenant=tenant, limit=limits.prompt_tokens, dialects=dialects,
+                                          off_loop=off_loop)
         worst = max(results.values(), key=lambda result: result.tokens)
         if worst.tokens > limits.prompt_tokens:
             # An early exit knows only a lower bound: it says so rather than state a count it did not make.
@@ -95,7 +104,24 @@ class Admission:
         else:
             fields["max_tokens"] = max_new
         body = await _maybe_off_loop(orjson.dumps, fields, large=off_loop)
-        return AdmittedRequest(request.route, self.model, request.stream, body, counts, max_new, request.usage)
+        prefix = self._prefix_hash(head, request.cache_salt) if self.prefix_tokens else None
+        return AdmittedRequest(request.route, self.model, request.stream, body, counts, max_new, request.usage,
+                               prefix)
+
+    def _prefix_hash(self, head: PromptHead, salt: str | None) -> int:
+        """A hash of the prompt's first `prefix_tokens` token ids as the engine sees them, and of cache_salt."""
+        n = self.prefix_tokens
+        assert n is not None
+        if isinstance(head, list):
+            ids = head[:n]
+        else:
+            text, special = head
+            window = text[: n * 16]  # enough characters for n tokens of any text but pathological whitespace
+            ids = self.tokenizer.tokenizer.encode_batch_fast([window], add_special_tokens=special)[0].ids
+            # A window that cuts the text may end inside a token the whole text merges further: drop that one.
+            ids = ids[:n] if len(window) == len(text) else ids[: max(0, min(n, len(ids) - 1))]
+        salt_bytes = salt.encode() if salt is not None else b""
+        return stable_hash(array("q", (int(i) for i in ids)).tobytes(), salt_bytes)
 
     def _output_tokens(self, request: ClientRequest, prompt_tokens: int) -> int:
         limits = self.limits
@@ -123,26 +149,30 @@ class Admission:
 
     # ── counting ────────────────────────────────────────────────────────────────────────────────────────────
     async def _count(self, request: ClientRequest, *, tenant: str, limit: int, dialects: frozenset[Dialect],
-                     off_loop: bool) -> dict[Dialect, CountResult]:
+                     off_loop: bool) -> tuple[dict[Dialect, CountResult], PromptHead]:
+        """Each dialect's count, and the prompt's head as the engine tokenizes it (for the prefix hash)."""
         prompt = request.prompt
         if isinstance(prompt, IdsPrompt):
             n = len(prompt.ids)
             if n <= limit:  # the length alone decides a refusal, before any id is looked at
                 await _maybe_off_loop(self._check_ids, prompt.ids, large=off_loop)
-            return dict.fromkeys(dialects, CountResult(n, exact=True))
+            return dict.fromkeys(dialects, CountResult(n, exact=True)), prompt.ids
         if isinstance(prompt, TextPrompt):
             result = await self._count_text(prompt.text, tenant, special=True, limit=limit)
-            return dict.fromkeys(dialects, result)
+            return dict.fromkeys(dialects, result), (prompt.text, True)
         assert isinstance(prompt, ChatPrompt)
         counts: dict[Dialect, CountResult] = {}
         by_text: dict[tuple[str, str | None], CountResult] = {}
+        head: PromptHead = []
         for dialect in sorted(dialects, key=lambda d: d.value):
             plan, text = await _maybe_off_loop(self._render, prompt, dialect, large=off_loop)
             key = (text, plan.assistant_prefix)
             if key not in by_text:
                 by_text[key] = await self._count_chat(text, plan.assistant_prefix, tenant, limit)
             counts[dialect] = by_text[key]
-        return counts
+            if not head:
+                head = (text, False)
+        return counts, head
 
     def _render(self, prompt: ChatPrompt, dialect: Dialect) -> tuple[RenderPlan, str]:
         plan = prompt.plan(dialect, self.chat.content_format)

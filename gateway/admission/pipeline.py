@@ -73,5 +73,8 @@ def build_admission(config: ModelConfig, *, cache_bytes: int) -> Admission:
                else default_template_kwargs(template.variables_read))
     limits = PromptLimits(prompt_tokens=config.configured_prompt_limit, context_length=config.context_length,
                           default_output_tokens=config.default_max_tokens, max_output_tokens=config.max_output_tokens)
+    routing = config.routing
+    prefix_tokens = routing.prefix_tokens if "prefix_affinity" in (routing.prefill_policy, routing.decode_policy) \
+        else None
     return Admission(config.name, tokenizer, TokenCounter(tokenizer, cache_bytes=cache_bytes), template,
-                     ChatSettings(template.content_format, allowed), limits)
+                     ChatSettings(template.content_format, allowed), limits, prefix_tokens=prefix_tokens)

@@ -7,6 +7,7 @@ change what the engine computes but that kvgate cannot forward exactly are refus
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -79,6 +80,7 @@ class ClientRequest:
     prompt: Prompt
     max_tokens: int | None
     usage: UsageOptions
+    cache_salt: str | None = None  # routing only (prefix affinity): never forwarded, SGLang has no such field
 
     @property
     def prompt_param(self) -> str:
@@ -115,10 +117,17 @@ def parse_request(route: Route, data: dict[str, Any], chat: ChatSettings) -> Cli
         if data.get(key) is not None:
             raise bad_request(f"{key} is not supported by this gateway", param=key)
     if route == "/v1/chat/completions":
-        return _parse_chat(data, chat)
-    if route == "/v1/completions":
-        return _parse_completion(data)
-    return _parse_generate(data)
+        request = _parse_chat(data, chat)
+    elif route == "/v1/completions":
+        request = _parse_completion(data)
+    else:
+        request = _parse_generate(data)
+    salt = data.get("cache_salt")
+    if salt is None:
+        return request
+    if not isinstance(salt, str) or len(salt) > 256:
+        raise bad_request("cache_salt must be a string of at most 256 characters", param="cache_salt")
+    return dataclasses.replace(request, cache_salt=salt)
 
 
 def _parse_chat(data: dict[str, Any], settings: ChatSettings) -> ClientRequest:

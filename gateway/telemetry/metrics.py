@@ -36,6 +36,10 @@ class GatewayMetrics:
         self.prompt_mismatches = Counter(
             "kvgate_prompt_token_mismatches", "Engine prompt counts that differed from the gateway's, caught before "
             "any output was released", ["model", "role"], registry=r)
+        self.retries = Counter("kvgate_retries", "Requests moved to another pair before anything reached an engine",
+                               ["model"], registry=r)
+        self.overloaded = Counter("kvgate_overloaded", "Requests refused with 503 and Retry-After: every worker full "
+                                  "and the wait queue full or timed out", ["model"], registry=r)
         self.limit_clamps = Counter("kvgate_startup_limit_clamped", "Times a model's limit was clamped to its pools",
                                     ["model"], registry=r)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -21,7 +21,9 @@ from routing.engines.errors import (EngineBroken, EngineChanged, EngineError, En
 from routing.engines.http import Body, ConnectFailed, ConnectionPool, HttpConnection, HttpError, Response
 from routing.engines.identity import parse_identity
 from routing.engines.sse import data_events
-from routing.workers import Worker
+
+if TYPE_CHECKING:  # workers know engine identities; the client only calls their transitions
+    from routing.workers import Worker
 
 _JSON = ((b"content-type", b"application/json"),)
 _ERROR_BODY_LIMIT = 1 << 16

@@ -1,11 +1,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from routing.workers import Worker
 
 
+@dataclass(frozen=True, slots=True)
+class RouteKey:
+    """What a policy may know of one request: never the prompt itself, only stable hashes of it."""
+
+    prefix: int | None = None  # hash of the prompt's first token ids, with the request's cache_salt
+    session: int | None = None  # hash of the affinity header's value
+
+
+NO_KEY = RouteKey()
+
+
 class Policy(Protocol):
-    def pick(self, workers: Sequence[Worker]) -> Worker | None:
-        """One of `workers` (all usable), or None when the sequence is empty."""
+    def pick(self, workers: Sequence[Worker], key: RouteKey) -> Worker | None:
+        """One of `workers` (all in rotation and with room), or None when the sequence is empty."""

@@ -18,7 +18,7 @@ from gateway.config import TimeoutsConfig
 from gateway.lifecycle import ClientGone, Done, Failure, ExchangeRegistry, PDExchange, RelayEvent, Release, RoomAllocator
 from routing.engines.errors import EngineBroken, EngineChanged, EngineError, EngineRejected, EngineUnreachable
 from routing.engines.identity import EngineIdentity
-from routing.pools import WorkerPair
+from routing.pools import Lease, WorkerPair
 from routing.workers import Worker, WorkerSpec
 from tests.fake_engines import END, FakeEngines
 
@@ -44,7 +44,7 @@ class Run:
         self.engines = FakeEngines(prefill, decode)
         admitted = AdmittedRequest("/generate", "glm-5", True, b'{"text":"hi","sampling_params":{}}',
                                    {Dialect.V0_5_23: COUNT}, 4, UsageOptions())
-        self.exchange = PDExchange(self.engines, WorkerPair(prefill, decode), admitted, timeouts=timeouts,
+        self.exchange = PDExchange(self.engines, Lease(WorkerPair(prefill, decode)), admitted, timeouts=timeouts,
                                    release=release, registry=ExchangeRegistry(), rooms=RoomAllocator())
         self.prefill, self.decode = self.engines.prefill, self.engines.decode
 

@@ -1,0 +1,189 @@
+"""Routing over real HTTP against emulated engines: retries only where no engine got the request, breakers per leg,
+health taking a dead worker out, affinity, and backpressure that ends in 503 + Retry-After, never 502."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtests.engine.harness import RunningEngine, start_engine, start_pair
+from routing.breaker import BreakerState
+from tests.engine_records import generation_records, inject, reset, wait_for
+from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
+
+CHAT = {"model": "glm-5", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
+
+
+@dataclass
+class Trio:
+    """One prefill and two decodes that all bootstrap from it."""
+
+    prefill: RunningEngine
+    decodes: list[RunningEngine]
+
+    def stop(self) -> None:
+        for engine in [*self.decodes, self.prefill]:
+            engine.stop()
+
+
+def start_trio(**options: Any) -> Trio:
+    pair = start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5", version="0.5.23",
+                      **options)
+    try:
+        second = start_engine("decode", pool_tokens=20000, context_length=8192, model="glm-5", version="0.5.23",
+                              bootstrap_port=pair.prefill.bootstrap_port, **options)
+    except BaseException:
+        pair.stop()
+        raise
+    return Trio(pair.prefill, [pair.decode, second])
+
+
+@pytest.fixture(scope="module")
+def trio() -> Iterator[Trio]:
+    engines = start_trio(token_delay_ms=2)
+    yield engines
+    engines.stop()
+
+
+def gateway_for(trio: Trio, directory: Path, **model: Any) -> Any:
+    health = model.pop("health", {})
+    entry = model_entry("glm-5", [trio.prefill], trio.decodes, **model)
+    return running_gateway(write_config(directory, [entry], health={"interval_s": 60, **health}))
+
+
+def decode_workers(gateway: RunningGateway) -> list[Any]:
+    return gateway.gateway.models["glm-5"].pool.decode
+
+
+def test_a_refused_connection_is_retried_on_another_pair_and_a_dead_worker_leaves_rotation(tmp_path: Path) -> None:
+    engines = start_trio()
+    try:
+        with gateway_for(engines, tmp_path) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
+            engines.decodes[1].stop()  # the monitor reads every 60 s: only a request can find out
+            statuses = [client.post("/v1/chat/completions", json=CHAT).status_code for _ in range(4)]
+            assert statuses == [200] * 4
+            assert not decode_workers(gateway)[1].usable
+            prefill_records = generation_records(engines.prefill)
+            assert len(prefill_records) == 4  # no engine ever saw the attempt that failed to connect
+            assert len({r["bootstrap_room"] for r in prefill_records}) == 4
+            assert len(generation_records(engines.decodes[0])) == 4
+            metrics = client.get("/metrics").text
+            assert 'kvgate_retries_total{model="glm-5"} 1.0' in metrics
+    finally:
+        engines.stop()
+
+
+def test_a_killed_decode_leaves_rotation_within_the_health_thresholds_while_prefill_serves_on(tmp_path: Path) -> None:
+    engines = start_trio()
+    try:
+        with gateway_for(engines, tmp_path, health={"interval_s": 0.2, "failure_threshold": 2}) as gateway, \
+                httpx.Client(base_url=gateway.url, timeout=30) as client:
+            dead = decode_workers(gateway)[1]
+            engines.decodes[1].stop()
+            assert wait_for(lambda: not dead.usable, timeout_s=2.0)  # 2 failed reads, 0.2 s apart
+            assert [client.post("/v1/chat/completions", json=CHAT).status_code for _ in range(4)] == [200] * 4
+            assert len(generation_records(engines.decodes[0])) == 4
+            assert client.get("/readyz").status_code == 200
+    finally:
+        engines.stop()
+
+
+def test_a_500_after_the_engine_accepted_the_request_is_not_retried(trio: Trio, tmp_path: Path) -> None:
+    reset(trio.prefill, *trio.decodes)
+    with gateway_for(trio, tmp_path) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
+        for decode in trio.decodes:
+            inject(decode, action="fail", status=500, rid_prefix="kvg-")
+        response = client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 502
+        assert sum(len(generation_records(d)) for d in trio.decodes) == 1
+        assert len(generation_records(trio.prefill)) == 1
+    reset(*trio.decodes)
+
+
+def test_a_flapping_decode_trips_its_own_breaker_only_and_recovers(trio: Trio, tmp_path: Path) -> None:
+    reset(trio.prefill, *trio.decodes)
+    breaker = {"failure_threshold": 2, "success_threshold": 1, "open_s": 1.0}
+    with gateway_for(trio, tmp_path, circuit_breaker=breaker) as gateway, \
+            httpx.Client(base_url=gateway.url, timeout=30) as client:
+        flapping, steady = decode_workers(gateway)
+        inject(trio.decodes[0], action="fail", status=500, rid_prefix="kvg-", count=2)
+        statuses = [client.post("/v1/chat/completions", json=CHAT).status_code for _ in range(4)]
+        assert sorted(statuses) == [200, 200, 502, 502]  # round robin: the flapping decode failed twice
+        assert flapping.breaker_state is BreakerState.OPEN and steady.breaker_state is BreakerState.CLOSED
+        prefill = gateway.gateway.models["glm-5"].pool.prefill[0]
+        assert prefill.breaker_state is BreakerState.CLOSED and prefill.usable  # a decode failure is the decode's
+        before = len(generation_records(trio.decodes[1]))
+        assert [client.post("/v1/chat/completions", json=CHAT).status_code for _ in range(3)] == [200] * 3
+        assert len(generation_records(trio.decodes[1])) == before + 3  # all on the steady decode while open
+        assert wait_for(lambda: flapping.breaker_state is BreakerState.HALF_OPEN, timeout_s=2.0)
+        assert [client.post("/v1/chat/completions", json=CHAT).status_code for _ in range(2)] == [200] * 2
+        assert flapping.breaker_state is BreakerState.CLOSED  # the probe succeeded
+
+
+def test_prefix_affinity_keeps_a_shared_prefix_on_one_decode_and_cache_salt_separates(trio: Trio,
+                                                                                     tmp_path: Path) -> None:
+    reset(trio.prefill, *trio.decodes)
+    system = {"role": "system", "content": "You are the billing assistant of Example Corp. " * 20}
+    with gateway_for(trio, tmp_path, routing={"decode_policy": "prefix_affinity"}) as gateway, \
+            httpx.Client(base_url=gateway.url, timeout=30) as client:
+        for i in range(6):
+            body = {**CHAT, "messages": [system, {"role": "user", "content": f"Question {i}?"}]}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+        counts = sorted(len(generation_records(d)) for d in trio.decodes)
+        assert counts == [0, 6]
+        reset(*trio.decodes)
+        for salt in range(12):
+            body = {**CHAT, "messages": [system, {"role": "user", "content": "Question?"}], "cache_salt": f"t{salt}"}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert all(len(generation_records(d)) > 0 for d in trio.decodes)  # other salts, other keys
+        assert all("cache_salt" not in str(r) for d in trio.decodes for r in generation_records(d))
+
+
+def test_session_affinity_by_header(trio: Trio, tmp_path: Path) -> None:
+    reset(trio.prefill, *trio.decodes)
+    routing = {"prefill_policy": "session_affinity", "decode_policy": "session_affinity",
+               "affinity_header": "X-Session-Id"}
+    with gateway_for(trio, tmp_path, routing=routing) as gateway, \
+            httpx.Client(base_url=gateway.url, timeout=30) as client:
+        for _ in range(5):
+            response = client.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": "alice"})
+            assert response.status_code == 200
+        assert sorted(len(generation_records(d)) for d in trio.decodes) == [0, 5]
+
+
+def test_power_of_two_reads_engine_loads(trio: Trio, tmp_path: Path) -> None:
+    routing = {"decode_policy": "power_of_two", "load_poll_s": 0.1}
+    with gateway_for(trio, tmp_path, routing=routing) as gateway, \
+            httpx.Client(base_url=gateway.url, timeout=30) as client:
+        assert wait_for(lambda: all(w.engine_load(1.0) is not None for w in decode_workers(gateway)), timeout_s=3)
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_overload_ends_in_503_with_retry_after_never_502_and_workers_stay_in_rotation(tmp_path: Path) -> None:
+    engines = start_trio(token_delay_ms=60)
+    limits = {"max_inflight_per_worker": 2, "max_queue": 3, "queue_timeout_s": 10}
+    try:
+        with gateway_for(engines, tmp_path, limits=limits) as gateway:
+            async def burst() -> list[httpx.Response]:
+                async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+                    body = {**CHAT, "max_tokens": 16, "stream": True}
+                    return list(await asyncio.gather(*(client.post("/v1/chat/completions", json=body)
+                                                       for _ in range(24))))
+
+            responses = asyncio.run(burst())
+            statuses = [r.status_code for r in responses]
+            assert set(statuses) == {200, 503}, statuses
+            assert statuses.count(200) >= 5  # the one prefill's 2 slots, then the 3 that waited for them
+            assert all(r.headers.get("retry-after") == "10" for r in responses if r.status_code == 503)
+            assert all(r.json()["error"]["code"] == "overloaded" for r in responses if r.status_code == 503)
+            assert all(b"data: [DONE]" in r.content for r in responses if r.status_code == 200)
+            pool = gateway.gateway.models["glm-5"].pool
+            assert all(w.usable and w.in_flight == 0 for w in pool.workers)
+    finally:
+        engines.stop()
