@@ -170,12 +170,18 @@ class ExchangeRegistry:
     def __init__(self) -> None:
         self.running: set[PDExchange] = set()
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for every exchange to end; cancel those still running and wait until their
+        halves are closed and aborted. Returns how many were cancelled."""
         waiting = [exchange.closed for exchange in self.running]
-        if waiting:
+        if waiting and timeout_s > 0:
             await asyncio.wait(waiting, timeout=timeout_s)
-        for exchange in list(self.running):
-            exchange.fail(GatewayError(503, "gateway is shutting down", code="shutting_down"))
+        left = list(self.running)
+        for exchange in left:
+            exchange.fail(GatewayError(503, "the gateway is shutting down", code="shutting_down"))
+        if left:
+            await asyncio.wait([exchange.closed for exchange in left])
+        return len(left)
 
 
 def map_engine_error(error: EngineError) -> GatewayError:

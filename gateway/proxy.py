@@ -101,6 +101,10 @@ class GenerateEndpoint:
         if scope["method"] != "POST":
             await send_error(send, GatewayError(405, f"{self.route} accepts POST only"))
             return
+        if self.gateway.shutting_down:
+            await send_error(send, GatewayError(503, "the gateway is shutting down", code="shutting_down"),
+                             [*_CLOSE, (b"retry-after", b"1")])
+            return
         with RequestBody() as body:
             exchange = await self._admit(scope, receive, send, body)
         if exchange is None:

@@ -126,6 +126,7 @@ class Gateway:
         self.retry_budget = RetryBudget()
         self.judgements: dict[str, ModelJudgement] = {}
         self.refusal: str | None = None  # why startup refused to serve, as printed for the operator
+        self.shutting_down = False
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -157,12 +158,26 @@ class Gateway:
                 poller.start()
                 self.load_pollers.append(poller)
 
+    def begin_shutdown(self) -> None:
+        """Refuse new requests (503) and report not ready; requests in flight go on."""
+        if not self.shutting_down:
+            log.info("shutting down: %d request(s) in flight, grace %gs", len(self.exchanges.running),
+                     self.config.shutdown.grace_s)
+        self.shutting_down = True
+
+    async def drain(self, grace_s: float) -> None:
+        """Let requests in flight finish for up to `grace_s`; cancel the rest on both halves, in the safe order."""
+        self.begin_shutdown()
+        cancelled = await self.exchanges.drain(timeout_s=grace_s)
+        if cancelled:
+            log.warning("shutdown grace of %gs over: %d request(s) cancelled on both halves", grace_s, cancelled)
+
     async def stop(self) -> None:
         for poller in self.load_pollers:
             await poller.stop()
         if self.monitor is not None:
             await self.monitor.stop()
-        await self.exchanges.drain(timeout_s=5.0)
+        await self.drain(grace_s=0 if self.shutting_down else self.config.shutdown.grace_s)
         if self.engines is not None:
             await self.engines.close()
         if self.admission_workers is not None:
@@ -204,6 +219,8 @@ class Gateway:
 
     def ready(self) -> tuple[bool, dict[str, str]]:
         """Whether every model has a usable prefill and decode worker, with the reason for each that has not."""
+        if self.shutting_down:
+            return False, {model: "the gateway is shutting down" for model in self.models}
         problems = {}
         for model in self.models.values():
             if model.unavailable:

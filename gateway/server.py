@@ -8,8 +8,10 @@ connection that opens and never finishes its request head (else a few idle socke
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import httptools
 import orjson
@@ -18,6 +20,9 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig
+
+if TYPE_CHECKING:
+    from gateway.runtime import Gateway
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -132,7 +137,40 @@ def uvicorn_config(app: ASGIApp, config: GatewayConfig, *, log_level: str, loop:
                      "head_timeout_s": config.timeouts.client_body_s})
     return uvicorn.Config(app, host=config.listen.host, port=config.listen.port, log_level=log_level,
                           access_log=False, loop=loop, http=protocol, lifespan="on",
-                          limit_concurrency=config.max_connections)
+                          limit_concurrency=config.max_connections, timeout_graceful_shutdown=5)
+
+
+class GracefulServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT the gateway drains before uvicorn stops: /readyz answers 503 and new requests get
+    503 at once (the listener stays open so load balancers see it), requests in flight get `shutdown.grace_s` to
+    finish, the rest are cancelled on both halves; then uvicorn shuts down as usual. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        loop = self._loop
+        if self.gateway.shutting_down or loop is None or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        self.gateway.begin_shutdown()
+        loop.call_soon_threadsafe(self._start_draining)
+
+    def _start_draining(self) -> None:
+        self._draining = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self.gateway.drain(self.gateway.config.shutdown.grace_s)
+        finally:
+            self.should_exit = True
 
 
 def serve(config: GatewayConfig, *, log_level: str) -> int:
@@ -141,7 +179,7 @@ def serve(config: GatewayConfig, *, log_level: str) -> int:
     from gateway.app import create_app
 
     app = create_app(config)
-    server = uvicorn.Server(uvicorn_config(app, config, log_level=log_level))
+    server = GracefulServer(uvicorn_config(app, config, log_level=log_level), app.gateway)
     try:
         server.run()
     except SystemExit:  # uvicorn's way of reporting a failed startup

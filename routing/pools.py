@@ -74,6 +74,9 @@ class ModelPool:
     def workers(self) -> list[Worker]:
         return [*self.prefill, *self.decode]
 
+    def policy(self, role: Role) -> Policy:
+        return self._policies[role]
+
     @property
     def waiting(self) -> int:
         return len(self._waiters)

@@ -58,6 +58,21 @@ KEY_TESTS = {
     "models.prefill.url": "tests/gateway/test_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
     "models.prefill.bootstrap_port": "tests/gateway/test_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
     "models.decode.url": "tests/gateway/test_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
+    "health.path": "tests/routing/test_routing_live.py::test_a_failing_health_path_takes_the_worker_out_and_a_passing_one_brings_it_back",
+    "shutdown.grace_s": "tests/gateway/test_shutdown.py::test_sigterm_lets_streams_that_fit_the_grace_finish_and_cancels_the_rest_on_both_halves",
+    "models.routing.prefill_policy": "tests/routing/test_routing_live.py::test_session_affinity_by_header",
+    "models.routing.decode_policy": "tests/routing/test_routing_live.py::test_prefix_affinity_keeps_a_shared_prefix_on_one_decode_and_cache_salt_separates",
+    "models.routing.affinity_header": "tests/routing/test_routing_live.py::test_session_affinity_by_header",
+    "models.routing.prefix_tokens": "tests/routing/test_routing_live.py::test_prefix_tokens_sets_how_much_of_the_prompt_keys_affinity",
+    "models.routing.load_poll_s": "tests/routing/test_routing_live.py::test_power_of_two_reads_engine_loads",
+    "models.routing.retries": "tests/routing/test_routing_live.py::test_a_refused_connection_is_retried_on_another_pair_and_a_dead_worker_leaves_rotation",
+    "models.limits.max_inflight_per_worker": "tests/routing/test_routing_live.py::test_overload_ends_in_503_with_retry_after_never_502_and_workers_stay_in_rotation",
+    "models.limits.max_queue": "tests/routing/test_routing_live.py::test_overload_ends_in_503_with_retry_after_never_502_and_workers_stay_in_rotation",
+    "models.limits.queue_timeout_s": "tests/routing/test_routing_live.py::test_overload_ends_in_503_with_retry_after_never_502_and_workers_stay_in_rotation",
+    "models.circuit_breaker.failure_threshold": "tests/routing/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",
+    "models.circuit_breaker.success_threshold": "tests/routing/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",
+    "models.circuit_breaker.open_s": "tests/routing/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",
+    "models.health": "tests/routing/test_routing_live.py::test_a_killed_decode_leaves_rotation_within_the_health_thresholds_while_prefill_serves_on",
 }
 
 

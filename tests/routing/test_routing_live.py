@@ -4,6 +4,7 @@ health taking a dead worker out, affinity, and backpressure that ends in 503 + R
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from loadtests.engine.harness import RunningEngine, start_engine, start_pair
 from routing.breaker import BreakerState
+from routing.policies.affinity import SessionAffinity
 from tests.engine_records import generation_records, inject, reset, wait_for
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
 
@@ -52,9 +54,9 @@ def trio() -> Iterator[Trio]:
 
 
 def gateway_for(trio: Trio, directory: Path, **model: Any) -> Any:
-    health = model.pop("health", {})
+    """A gateway in front of the trio; the top-level health block reads every 60 s (a model may set its own)."""
     entry = model_entry("glm-5", [trio.prefill], trio.decodes, **model)
-    return running_gateway(write_config(directory, [entry], health={"interval_s": 60, **health}))
+    return running_gateway(write_config(directory, [entry], health={"interval_s": 60}))
 
 
 def decode_workers(gateway: RunningGateway) -> list[Any]:
@@ -64,7 +66,8 @@ def decode_workers(gateway: RunningGateway) -> list[Any]:
 def test_a_refused_connection_is_retried_on_another_pair_and_a_dead_worker_leaves_rotation(tmp_path: Path) -> None:
     engines = start_trio()
     try:
-        with gateway_for(engines, tmp_path) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
+        with gateway_for(engines, tmp_path) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client, \
+                gateway_for(engines, tmp_path, routing={"retries": 0}) as no_retries:
             engines.decodes[1].stop()  # the monitor reads every 60 s: only a request can find out
             statuses = [client.post("/v1/chat/completions", json=CHAT).status_code for _ in range(4)]
             assert statuses == [200] * 4
@@ -75,6 +78,8 @@ def test_a_refused_connection_is_retried_on_another_pair_and_a_dead_worker_leave
             assert len(generation_records(engines.decodes[0])) == 4
             metrics = client.get("/metrics").text
             assert 'kvgate_retries_total{model="glm-5"} 1.0' in metrics
+            without = [httpx.post(no_retries.url + "/v1/chat/completions", json=CHAT, timeout=30) for _ in range(2)]
+            assert sorted(r.status_code for r in without) == [200, 502]  # retries: 0 — the refused one fails
     finally:
         engines.stop()
 
@@ -82,7 +87,8 @@ def test_a_refused_connection_is_retried_on_another_pair_and_a_dead_worker_leave
 def test_a_killed_decode_leaves_rotation_within_the_health_thresholds_while_prefill_serves_on(tmp_path: Path) -> None:
     engines = start_trio()
     try:
-        with gateway_for(engines, tmp_path, health={"interval_s": 0.2, "failure_threshold": 2}) as gateway, \
+        health = {"interval_s": 0.2, "timeout_s": 1, "failure_threshold": 2, "success_threshold": 1}
+        with gateway_for(engines, tmp_path, health=health) as gateway, \
                 httpx.Client(base_url=gateway.url, timeout=30) as client:
             dead = decode_workers(gateway)[1]
             engines.decodes[1].stop()
@@ -155,6 +161,8 @@ def test_session_affinity_by_header(trio: Trio, tmp_path: Path) -> None:
             response = client.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": "alice"})
             assert response.status_code == 200
         assert sorted(len(generation_records(d)) for d in trio.decodes) == [0, 5]
+        pool = gateway.gateway.models["glm-5"].pool
+        assert isinstance(pool.policy("prefill"), SessionAffinity)  # one prefill here: its policy is only seen
 
 
 def test_power_of_two_reads_engine_loads(trio: Trio, tmp_path: Path) -> None:
@@ -162,7 +170,34 @@ def test_power_of_two_reads_engine_loads(trio: Trio, tmp_path: Path) -> None:
     with gateway_for(trio, tmp_path, routing=routing) as gateway, \
             httpx.Client(base_url=gateway.url, timeout=30) as client:
         assert wait_for(lambda: all(w.engine_load(1.0) is not None for w in decode_workers(gateway)), timeout_s=3)
+        time.sleep(0.5)
+        assert all(w.engine_load(0.3) is not None for w in decode_workers(gateway))  # read again since
         assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_prefix_tokens_sets_how_much_of_the_prompt_keys_affinity(trio: Trio, tmp_path: Path) -> None:
+    reset(trio.prefill, *trio.decodes)
+    routing = {"decode_policy": "prefix_affinity", "prefix_tokens": 2}  # [gMASK]<sop>: every chat alike
+    with gateway_for(trio, tmp_path, routing=routing) as gateway, \
+            httpx.Client(base_url=gateway.url, timeout=30) as client:
+        for i in range(12):
+            body = {**CHAT, "messages": [{"role": "user", "content": f"Topic {i}: {'xyz' * i}"}]}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert sorted(len(generation_records(d)) for d in trio.decodes) == [0, 12]
+
+
+def test_a_failing_health_path_takes_the_worker_out_and_a_passing_one_brings_it_back(trio: Trio,
+                                                                                      tmp_path: Path) -> None:
+    reset(trio.prefill, *trio.decodes)
+    # The emulator answers /health after a real 1-token run of ~1 s, as SGLang does.
+    health = {"path": "/health", "interval_s": 0.1, "timeout_s": 3, "failure_threshold": 1, "success_threshold": 1}
+    with gateway_for(trio, tmp_path, health=health) as gateway:
+        sick = decode_workers(gateway)[0]
+        inject(trio.decodes[0], action="health", status=503)
+        assert wait_for(lambda: not sick.usable, timeout_s=5) and sick.out_of_rotation_reason == "unhealthy"
+        assert all(w.usable for w in decode_workers(gateway)[1:])
+        reset(trio.decodes[0])
+        assert wait_for(lambda: sick.usable, timeout_s=5)
 
 
 def test_overload_ends_in_503_with_retry_after_never_502_and_workers_stay_in_rotation(tmp_path: Path) -> None:
