@@ -12,6 +12,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from gateway.admin import AdminApi
 from gateway.config import GatewayConfig
 from gateway.proxy import GenerateEndpoint
 from gateway.runtime import Gateway, GateRefused
@@ -60,8 +61,9 @@ class GatewayApp:
         await send({"type": "lifespan.shutdown.complete"})
 
 
-def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> GatewayApp:
-    gateway = gateway or Gateway(config)
+def create_app(config: GatewayConfig, gateway: Gateway | None = None, *,
+               config_path: str | None = None) -> GatewayApp:
+    gateway = gateway or Gateway(config, config_path=config_path)
     started = int(time.time())
 
     async def list_models(_: Request) -> Response:
@@ -94,5 +96,6 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None) -> Gateway
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *AdminApi(gateway).routes(),
     ]
     return GatewayApp(gateway, Starlette(routes=routes), endpoints)

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             from gateway.server import serve
-            return serve(load_config(args.config), log_level=args.log_level)
+            return serve(load_config(args.config), log_level=args.log_level, config_path=args.config)
         if args.command == "preflight":
             from gateway.preflight import run_preflight
             return run_preflight(load_config(args.config), as_json=args.json)

@@ -176,6 +176,12 @@ class GateConfig(_Strict):
     start_anyway: bool = Field(False, description="serve other models when one fails the gate; it answers 503")
 
 
+class AdminConfig(_Strict):
+    token_env: str = Field("KVGATE_ADMIN_TOKEN", min_length=1, description="environment variable holding the bearer "
+                                                                          "token of /admin/*; unset or empty: "
+                                                                          "the admin API is off")
+
+
 class ShutdownConfig(_Strict):
     grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may take to finish")
 
@@ -186,6 +192,7 @@ class GatewayConfig(_Strict):
     gate: GateConfig = GateConfig()
     health: HealthConfig = HealthConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
+    admin: AdminConfig = AdminConfig()
     max_body_bytes: int = Field(64 * 2**20, gt=0)
     max_header_bytes: int = Field(64 * 1024, gt=0, description="request line plus all headers")
     max_headers: int = Field(100, gt=0)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
 from gateway.admission.chat import ChatSettings
@@ -22,6 +23,7 @@ from routing.breaker import BreakerSpec
 from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
 from routing.loads import LoadPoller
+from routing.membership import Membership
 from routing.monitor import WorkerMonitor
 from routing.policies import NO_KEY, RouteKey, make_policy
 from routing.pools import Lease, ModelPool, NoWorkerAvailable, PoolSaturated, pool_for
@@ -113,16 +115,18 @@ class GateRefused(Exception):
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, *, config_path: str | Path | None = None) -> None:
         self.config = config
+        self.config_path = config_path  # re-read by a reload (SIGHUP or POST /admin/reload)
         self.models: dict[str, ServedModel] = {}
         self.exchanges = ExchangeRegistry()
         self.rooms = RoomAllocator()
         self.metrics = GatewayMetrics()
         self.engines: EngineClient | None = None
         self.monitor: WorkerMonitor | None = None
+        self.membership: Membership | None = None
         self.admission_workers: AdmissionWorkers | None = None
-        self.load_pollers: list[LoadPoller] = []
+        self.load_pollers: dict[str, LoadPoller] = {}
         self.retry_budget = RetryBudget()
         self.judgements: dict[str, ModelJudgement] = {}
         self.refusal: str | None = None  # why startup refused to serve, as printed for the operator
@@ -144,6 +148,7 @@ class Gateway:
         self.monitor = WorkerMonitor(
             self.engines, [(m.spec, m.pool, health_spec(self.config.health_of(m.config))) for m in self.models.values()],
             self._apply_judgement)
+        self.membership = Membership({name: model.pool for name, model in self.models.items()}, self.monitor)
         judgements = await self.monitor.verify_startup(self.config.gate.startup_timeout_s)
         refused = [j for j in judgements if not j.passes]
         if refused and not self.config.gate.start_anyway:
@@ -152,11 +157,19 @@ class Gateway:
             raise error
         self.monitor.start()
         for model in self.models.values():
-            routing = model.config.routing
-            if "power_of_two" in (routing.prefill_policy, routing.decode_policy):
-                poller = LoadPoller(self.engines, lambda pool=model.pool: pool.workers, interval_s=routing.load_poll_s)
-                poller.start()
-                self.load_pollers.append(poller)
+            await self._poll_loads(model)
+
+    async def _poll_loads(self, model: ServedModel) -> None:
+        """Engines' own loads are read while, and only while, a power_of_two policy uses them."""
+        routing = model.config.routing
+        running = self.load_pollers.pop(model.name, None)
+        if running is not None:
+            await running.stop()
+        if "power_of_two" in (routing.prefill_policy, routing.decode_policy):
+            assert self.engines is not None
+            poller = LoadPoller(self.engines, lambda pool=model.pool: pool.workers, interval_s=routing.load_poll_s)
+            poller.start()
+            self.load_pollers[model.name] = poller
 
     def begin_shutdown(self) -> None:
         """Refuse new requests (503) and report not ready; requests in flight go on."""
@@ -173,7 +186,7 @@ class Gateway:
             log.warning("shutdown grace of %gs over: %d request(s) cancelled on both halves", grace_s, cancelled)
 
     async def stop(self) -> None:
-        for poller in self.load_pollers:
+        for poller in self.load_pollers.values():
             await poller.stop()
         if self.monitor is not None:
             await self.monitor.stop()
@@ -184,6 +197,49 @@ class Gateway:
             self.admission_workers.close()
         for model in self.models.values():
             model.admission.counter.close()
+
+    async def apply_config(self, new: GatewayConfig) -> list[str]:
+        """Apply a configuration that `reload.restart_needed` accepted; returns what changed."""
+        assert self.monitor is not None and self.membership is not None
+        changes: list[str] = []
+        for name, model in self.models.items():
+            before, after = model.config, new.model(name)
+            assert after is not None
+            if after == before and new.health_of(after) == self.config.health_of(before):
+                continue
+            model.config, model.spec = after, model_spec(after)
+            routing, max_age_s = after.routing, 3 * after.routing.load_poll_s
+            model.pool.reconfigure(limits=model.spec.limits, breaker=model.spec.breaker,
+                                   prefill_policy=make_policy(routing.prefill_policy, load_max_age_s=max_age_s),
+                                   decode_policy=make_policy(routing.decode_policy, load_max_age_s=max_age_s))
+            self.monitor.update(model.spec, health_spec(new.health_of(after)))
+            await self._poll_loads(model)
+            changes += await self._apply_workers(model, before, after)
+            await self.monitor.verify_now(name)  # the gate again, with the new limits: it updates admission
+            changes.append(f"model {name}: settings applied")
+        self.config = new
+        return changes
+
+    async def _apply_workers(self, model: ServedModel, before: ModelConfig, after: ModelConfig) -> list[str]:
+        assert self.membership is not None
+        old, new = model_spec(before), model.spec
+        changes = []
+        for spec in [*old.prefill, *old.decode]:
+            if spec not in (*new.prefill, *new.decode):
+                member = self.membership.find_url(model.name, spec.role, spec.url)
+                if member is not None:
+                    self.membership.remove(member)
+                    changes.append(f"{spec.role} {spec.url} drained and removed")
+        for spec in [*new.prefill, *new.decode]:
+            if spec not in (*old.prefill, *old.decode):
+                existing = self.membership.find_url(model.name, spec.role, spec.url)
+                if existing is not None:  # e.g. its bootstrap port changed: out first
+                    self.membership.remove(existing)
+                worker = model.pool.new_worker(spec)
+                model.pool.add(worker)  # out of rotation until the gate passes it, like any configured worker
+                self.monitor.watch(model.name, worker)
+                changes.append(f"{spec.role} {spec.url} added (in rotation once the gate passes it)")
+        return changes
 
     def model_for(self, name: str | None) -> ServedModel:
         return resolve_model(name, self.models, lambda model: model.unavailable)
@@ -260,16 +316,17 @@ class Gateway:
                     log.warning("worker %s (model %s): %s", worker.url, model.name, warning)
 
     def _update_limits(self, model: ServedModel, judgement: ModelJudgement) -> None:
-        limits = model.admission.limits
-        if judgement.effective_limit == limits.prompt_tokens and judgement.decode_pool_tokens == limits.decode_pool_tokens:
+        config, old = model.config, model.admission.limits
+        limits = PromptLimits(
+            prompt_tokens=judgement.effective_limit, context_length=config.context_length,
+            default_output_tokens=config.default_max_tokens, max_output_tokens=config.max_output_tokens,
+            decode_pool_tokens=judgement.decode_pool_tokens)
+        if limits == old:
             return
-        if judgement.verdict == "clamp":
+        if judgement.verdict == "clamp" and judgement.effective_limit != old.prompt_tokens:
             log.warning("CLAMPED model %s: %s", model.name, " | ".join(judgement.reasons))
             self.metrics.limit_clamps.labels(model.name).inc()
-        model.admission.limits = PromptLimits(
-            prompt_tokens=judgement.effective_limit, context_length=limits.context_length,
-            default_output_tokens=limits.default_output_tokens, max_output_tokens=limits.max_output_tokens,
-            decode_pool_tokens=judgement.decode_pool_tokens)
+        model.admission.limits = limits
 
     def _update_availability(self, model: ServedModel, judgement: ModelJudgement, startup: bool) -> None:
         if startup and not judgement.passes:

@@ -8,6 +8,7 @@ connection that opens and never finishes its request head (else a few idle socke
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import sys
 from types import FrameType
@@ -152,7 +153,13 @@ class GracefulServer(uvicorn.Server):
         self._draining: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
+        from gateway.reload import reload_logged
+
+        self._loop = loop = asyncio.get_running_loop()
+        try:  # SIGHUP re-reads the configuration file (main thread only)
+            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload_logged(self.gateway)))
+        except (ValueError, RuntimeError, NotImplementedError):
+            pass
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -173,12 +180,12 @@ class GracefulServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(config: GatewayConfig, *, log_level: str) -> int:
+def serve(config: GatewayConfig, *, log_level: str, config_path: str | None = None) -> int:
     """Run the gateway until it is stopped; 3 when it could not start (e.g. a model refused by the KV-pool gate,
     printed as one block per model)."""
     from gateway.app import create_app
 
-    app = create_app(config)
+    app = create_app(config, config_path=config_path)
     server = GracefulServer(uvicorn_config(app, config, log_level=log_level), app.gateway)
     try:
         server.run()

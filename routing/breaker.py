@@ -36,6 +36,9 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._probing = False
 
+    def reconfigure(self, spec: BreakerSpec) -> None:
+        self._spec = spec
+
     @property
     def state(self) -> BreakerState:
         if self._state is BreakerState.OPEN and self._now() - self._opened_at >= self._spec.open_s:

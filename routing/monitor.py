@@ -69,21 +69,34 @@ class WorkerMonitor:
         return [self._judge(spec, {w: readings[w] for w in pool.workers}, startup=True)
                 for spec, pool, _ in self._models]
 
+    def update(self, spec: ModelSpec, health: HealthSpec) -> None:
+        """A reloaded configuration: the model's gate settings and health checks from the next read on."""
+        self._models = [(spec, pool, health) if old.name == spec.name else (old, pool, old_health)
+                        for old, pool, old_health in self._models]
+        self._wake[spec.name].set()
+
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._run(watched), name=f"kvgate-monitor-{watched[0].name}")
-                       for watched in self._models]
+        self._tasks = [loop.create_task(self._run(spec.name), name=f"kvgate-monitor-{spec.name}")
+                       for spec, _, _ in self._models]
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    async def verify_now(self, model: str) -> ModelJudgement:
+        """Read and judge every worker of `model` now (a worker was just added), applying the verdicts."""
+        return await self._poll(self._watched(model))
+
+    def _watched(self, model: str) -> Watched:
+        return next(w for w in self._models if w[0].name == model)
+
     async def poll_once(self) -> None:
         for watched in self._models:
             await self._poll(watched)
 
-    async def _poll(self, watched: Watched) -> None:
+    async def _poll(self, watched: Watched) -> ModelJudgement:
         spec, pool, health = watched
         workers = list(pool.workers)
         results = await asyncio.gather(*(self._read(w, health, with_metrics=False) for w in workers))
@@ -91,7 +104,7 @@ class WorkerMonitor:
         for worker, reading in readings.items():
             worker.record_health(reading.info is not None and reading.healthy,
                                  failure_threshold=health.failure_threshold, success_threshold=health.success_threshold)
-        self._judge(spec, readings, startup=False)
+        return self._judge(spec, readings, startup=False)
 
     def _judge(self, spec: ModelSpec, readings: dict[Worker, Reading], *, startup: bool) -> ModelJudgement:
         """Judge a model, apply each verdict to its worker, then let the gateway follow (limits, metrics)."""
@@ -105,9 +118,10 @@ class WorkerMonitor:
         self._on_judgement(judgement, startup)
         return judgement
 
-    async def _run(self, watched: Watched) -> None:
-        wake = self._wake[watched[0].name]
+    async def _run(self, model: str) -> None:
+        wake = self._wake[model]
         while True:
+            watched = self._watched(model)
             try:
                 async with asyncio.timeout(watched[2].interval_s):
                     await wake.wait()
@@ -116,7 +130,7 @@ class WorkerMonitor:
                 pass
             wake.clear()
             try:
-                await self._poll(watched)
+                await self._poll(self._watched(model))
             except Exception:  # the monitor must outlive any one bad reading
                 log.exception("worker monitor poll failed")
 

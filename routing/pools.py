@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
+from routing.breaker import BreakerSpec
 from routing.policies import NO_KEY, Policy, RouteKey
 from routing.policies.round_robin import RoundRobin
 from routing.specs import ModelSpec, PoolLimits
@@ -59,11 +60,12 @@ class _AtCapacity(Exception):
 class ModelPool:
     def __init__(self, name: str, prefill: Sequence[Worker], decode: Sequence[Worker], *,
                  prefill_policy: Policy | None = None, decode_policy: Policy | None = None,
-                 limits: PoolLimits = PoolLimits()) -> None:
+                 limits: PoolLimits = PoolLimits(), breaker: BreakerSpec = BreakerSpec()) -> None:
         self.name = name
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
         self.limits = limits
+        self.breaker = breaker
         self._policies: dict[Role, Policy] = {"prefill": prefill_policy or RoundRobin(),
                                               "decode": decode_policy or RoundRobin()}
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -80,6 +82,19 @@ class ModelPool:
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    def new_worker(self, spec: WorkerSpec) -> Worker:
+        """A worker with this pool's concurrency limit and breaker settings (not in the pool, not verified yet)."""
+        return Worker(spec, breaker=self.breaker, max_inflight=self.limits.max_inflight_per_worker)
+
+    def reconfigure(self, *, limits: PoolLimits, breaker: BreakerSpec, prefill_policy: Policy,
+                    decode_policy: Policy) -> None:
+        """New settings for new requests; requests in flight keep their pair."""
+        self.limits, self.breaker = limits, breaker
+        self._policies = {"prefill": prefill_policy, "decode": decode_policy}
+        for worker in self.workers:
+            worker.reconfigure(breaker=breaker, max_inflight=limits.max_inflight_per_worker)
+        self._wake_one(None)  # a higher limit may let a waiting request in
 
     def add(self, worker: Worker) -> None:
         (self.prefill if worker.role == "prefill" else self.decode).append(worker)
@@ -147,7 +162,7 @@ class ModelPool:
         assert picked is not None
         return picked
 
-    def _wake_one(self, _: Worker) -> None:
+    def _wake_one(self, _: Worker | None) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -161,13 +176,11 @@ class ModelPool:
 def pool_for(model: ModelSpec, *, prefill_policy: Policy | None = None,
              decode_policy: Policy | None = None) -> ModelPool:
     """The model's workers, none in rotation until the KV-pool gate has verified it."""
-    limits = model.limits
-
-    def worker(spec: WorkerSpec) -> Worker:
-        return Worker(spec, breaker=model.breaker, max_inflight=limits.max_inflight_per_worker)
-
-    return ModelPool(model.name, prefill=[worker(s) for s in model.prefill], decode=[worker(s) for s in model.decode],
-                     prefill_policy=prefill_policy, decode_policy=decode_policy, limits=limits)
+    pool = ModelPool(model.name, prefill=[], decode=[], prefill_policy=prefill_policy, decode_policy=decode_policy,
+                     limits=model.limits, breaker=model.breaker)
+    for spec in [*model.prefill, *model.decode]:
+        pool.add(pool.new_worker(spec))
+    return pool
 
 
 def _why(workers: list[Worker], exclude: Collection[Worker]) -> str:

@@ -29,7 +29,7 @@ class WorkerSpec:
     url: str
     role: Role
     bootstrap_port: int | None = None
-
+    origin: str = "config"  # where it came from: config, admin, or dns:NAME
 
 class Worker:
     """One engine: where it is, what the gate verified about it, whether it is healthy, what it is doing."""
@@ -156,6 +156,11 @@ class Worker:
         if after is not before:
             log_level = logging.WARNING if after is BreakerState.OPEN else logging.INFO
             log.log(log_level, "worker %s (%s): circuit breaker %s", self.url, self.role, after.value)
+
+    def reconfigure(self, *, breaker: BreakerSpec, max_inflight: int | None) -> None:
+        """New limits from a reloaded configuration (the breaker keeps its state, with the new thresholds)."""
+        self._breaker.reconfigure(breaker)
+        self._max_inflight = max_inflight
 
     def record_engine_load(self, tokens: int) -> None:
         self._engine_load = (time.monotonic(), tokens)

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from gateway.app import create_app
 from gateway.config import load_config
 from gateway.runtime import Gateway
 from gateway.server import uvicorn_config
-from loadtests.engine.harness import free_port
+from loadtests.engine.harness import RunningEngine, free_port, start_engine, start_pair
 
 ROOT = Path(__file__).resolve().parent.parent
 GLM5_TOKENIZER = ROOT / "config/models/glm-5/tokenizer.json.gz"
@@ -95,7 +96,7 @@ def running_gateway(config_path: Path) -> Iterator[RunningGateway]:
 def start_gateway(config_path: Path, *, timeout_s: float = 30.0) -> RunningGateway:
     """Start kvgate; raises RuntimeError (with the startup error) when it does not come up."""
     config = load_config(config_path)
-    gateway = Gateway(config)
+    gateway = Gateway(config, config_path=config_path)
     app = create_app(config, gateway)
     server = uvicorn.Server(uvicorn_config(app, config, log_level="warning", loop="asyncio"))
     errors: list[BaseException] = []
@@ -123,3 +124,27 @@ def start_gateway(config_path: Path, *, timeout_s: float = 30.0) -> RunningGatew
     running = RunningGateway(server, gateway, thread, config.listen.port)
     running._loop = holder["loop"]
     return running
+
+
+@dataclass
+class Trio:
+    """One prefill and two decodes that all bootstrap from it."""
+
+    prefill: RunningEngine
+    decodes: list[RunningEngine]
+
+    def stop(self) -> None:
+        for engine in [*self.decodes, self.prefill]:
+            engine.stop()
+
+
+def start_trio(**options: Any) -> Trio:
+    pair = start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5", version="0.5.23",
+                      **options)
+    try:
+        second = start_engine("decode", pool_tokens=20000, context_length=8192, model="glm-5", version="0.5.23",
+                              bootstrap_port=pair.prefill.bootstrap_port, **options)
+    except BaseException:
+        pair.stop()
+        raise
+    return Trio(pair.prefill, [pair.decode, second])

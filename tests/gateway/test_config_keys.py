@@ -59,7 +59,7 @@ KEY_TESTS = {
     "models.prefill.bootstrap_port": "tests/gateway/test_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
     "models.decode.url": "tests/gateway/test_lifecycle.py::test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique",
     "health.path": "tests/routing/test_routing_live.py::test_a_failing_health_path_takes_the_worker_out_and_a_passing_one_brings_it_back",
-    "shutdown.grace_s": "tests/gateway/test_shutdown.py::test_sigterm_lets_streams_that_fit_the_grace_finish_and_cancels_the_rest_on_both_halves",
+    "shutdown.grace_s": "tests/gateway/test_shutdown.py::test_sighup_reloads_then_sigterm_lets_streams_that_fit_the_grace_finish_and_cancels_the_rest_on_both_halves",
     "models.routing.prefill_policy": "tests/routing/test_routing_live.py::test_session_affinity_by_header",
     "models.routing.decode_policy": "tests/routing/test_routing_live.py::test_prefix_affinity_keeps_a_shared_prefix_on_one_decode_and_cache_salt_separates",
     "models.routing.affinity_header": "tests/routing/test_routing_live.py::test_session_affinity_by_header",
@@ -72,6 +72,7 @@ KEY_TESTS = {
     "models.circuit_breaker.failure_threshold": "tests/routing/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",
     "models.circuit_breaker.success_threshold": "tests/routing/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",
     "models.circuit_breaker.open_s": "tests/routing/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",
+    "admin.token_env": "tests/routing/test_worker_management.py::test_the_admin_api_needs_its_token_and_every_answer_has_a_request_id",
     "models.health": "tests/routing/test_routing_live.py::test_a_killed_decode_leaves_rotation_within_the_health_thresholds_while_prefill_serves_on",
 }
 

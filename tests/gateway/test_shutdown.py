@@ -1,4 +1,4 @@
-"""SIGTERM drains: /readyz turns 503 and new requests get 503 while streams in flight finish within the grace
+"""SIGHUP reloads the configuration; SIGTERM drains: /readyz turns 503 and new requests get 503 while streams in flight finish within the grace
 period; those still running at its end are cancelled on both halves, in the safe order. `kvgate serve` runs as a
 process, because only the main thread receives signals."""
 
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import yaml
 
 from loadtests.engine.harness import start_pair
 from tests.engine_records import generation_records, wait_for
@@ -21,7 +22,7 @@ SHORT, LONG = 8, 400  # output tokens at 50 ms each: 0.4 s, well inside the grac
 GRACE_S = 3.0
 
 
-def test_sigterm_lets_streams_that_fit_the_grace_finish_and_cancels_the_rest_on_both_halves(tmp_path: Path) -> None:
+def test_sighup_reloads_then_sigterm_lets_streams_that_fit_the_grace_finish_and_cancels_the_rest_on_both_halves(tmp_path: Path) -> None:
     with start_pair(prefill_pool=50000, decode_pool=50000, context_length=8192, model="glm-5", version="0.5.23",
                     token_delay_ms=50) as pair:
         config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode])],
@@ -33,6 +34,11 @@ def test_sigterm_lets_streams_that_fit_the_grace_finish_and_cancels_the_rest_on_
                                    stderr=subprocess.STDOUT, text=True)
         try:
             assert wait_for(lambda: _ready(url), timeout_s=30), "gateway did not start"
+            document = yaml.safe_load(config.read_text())
+            document["models"][0]["max_prompt_tokens"] = 100
+            config.write_text(yaml.safe_dump(document))
+            process.send_signal(signal.SIGHUP)  # re-read the file: the new limit applies, nothing restarts
+            assert wait_for(lambda: _served_limit(url) == 100, timeout_s=10)
             outcome = asyncio.run(_streams_across_a_sigterm(url, process))
             assert process.wait(timeout=30) == 0
         finally:
@@ -48,6 +54,10 @@ def test_sigterm_lets_streams_that_fit_the_grace_finish_and_cancels_the_rest_on_
         assert len(cut) == 10 and all(r["outcome"] in ("aborted", "client_disconnected") for r in cut)
         assert wait_for(lambda: httpx.get(pair.decode.url + "/emu/state").json()["used_tokens"] == 0, timeout_s=5)
         assert "Traceback" not in output
+
+
+def _served_limit(url: str) -> int:
+    return int(httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["max_prompt_tokens"])
 
 
 def _ready(url: str) -> bool:

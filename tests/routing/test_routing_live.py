@@ -6,44 +6,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from loadtests.engine.harness import RunningEngine, start_engine, start_pair
 from routing.breaker import BreakerState
 from routing.policies.affinity import SessionAffinity
 from tests.engine_records import generation_records, inject, reset, wait_for
-from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
+from tests.gateway_harness import RunningGateway, Trio, model_entry, running_gateway, start_trio, write_config
 
 CHAT = {"model": "glm-5", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
-
-
-@dataclass
-class Trio:
-    """One prefill and two decodes that all bootstrap from it."""
-
-    prefill: RunningEngine
-    decodes: list[RunningEngine]
-
-    def stop(self) -> None:
-        for engine in [*self.decodes, self.prefill]:
-            engine.stop()
-
-
-def start_trio(**options: Any) -> Trio:
-    pair = start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5", version="0.5.23",
-                      **options)
-    try:
-        second = start_engine("decode", pool_tokens=20000, context_length=8192, model="glm-5", version="0.5.23",
-                              bootstrap_port=pair.prefill.bootstrap_port, **options)
-    except BaseException:
-        pair.stop()
-        raise
-    return Trio(pair.prefill, [pair.decode, second])
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,123 @@
+"""The admin API: workers (list, add, drain, remove) and configuration reload, behind a bearer token.
+
+The token is read from the environment variable that `admin.token_env` names, at each request (so it can be rotated
+by restarting nothing but the secret's mount); without one the API answers 403. Every answer carries x-request-id."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.config import ConfigError, DecodeWorkerConfig, PrefillWorkerConfig
+from gateway.reload import reload
+from routing.membership import Member, WorkerExists, WorkerRefused
+from routing.workers import WorkerSpec
+
+if TYPE_CHECKING:
+    from gateway.runtime import Gateway
+
+
+def _answer(status: int, payload: Any) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json",
+                    headers={"x-request-id": uuid.uuid4().hex})
+
+
+def _error(status: int, message: str, code: str) -> Response:
+    return _answer(status, {"error": {"message": message, "code": code}})
+
+
+class AdminApi:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def routes(self) -> list[Route]:
+        return [Route("/admin/workers", self._guarded(self.list_workers), methods=["GET"]),
+                Route("/admin/workers", self._guarded(self.add_worker), methods=["POST"]),
+                Route("/admin/workers/{id}/drain", self._guarded(self.drain_worker), methods=["POST"]),
+                Route("/admin/workers/{id}", self._guarded(self.remove_worker), methods=["DELETE"]),
+                Route("/admin/reload", self._guarded(self.reload), methods=["POST"])]
+
+    def _guarded(self, handler: Any) -> Any:
+        async def endpoint(request: Request) -> Response:
+            env = self.gateway.config.admin.token_env
+            token = os.environ.get(env, "")
+            if not token:
+                return _error(403, f"the admin API is off: set the token in ${env}", "admin_disabled")
+            sent = request.headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+                return _error(401, "missing or wrong admin bearer token", "unauthorized")
+            if self.gateway.membership is None:
+                return _error(503, "the gateway is starting", "starting")
+            result: Response = await handler(request)
+            return result
+        return endpoint
+
+    async def list_workers(self, request: Request) -> Response:
+        assert self.gateway.membership is not None
+        return _answer(200, {"workers": [m.describe() for m in self.gateway.membership.members()]})
+
+    async def add_worker(self, request: Request) -> Response:
+        membership = self.gateway.membership
+        assert membership is not None
+        try:
+            body = orjson.loads(await request.body())
+            model, role, spec = _worker_spec(body)
+        except (orjson.JSONDecodeError, ValueError, ValidationError) as exc:
+            return _error(400, f"expected {{model, role, url, bootstrap_port}}: {exc}", "bad_request")
+        if model not in self.gateway.models:
+            return _error(404, f"no model named {model!r}", "model_not_found")
+        try:
+            member = await membership.add(model, spec)
+        except WorkerExists as exc:
+            return _error(409, str(exc), "worker_exists")
+        except WorkerRefused as exc:
+            return _error(422, str(exc), "refused_by_gate")
+        return _answer(201, member.describe())
+
+    async def drain_worker(self, request: Request) -> Response:
+        member = self._member(request)
+        if member is None:
+            return _error(404, f"no worker {request.path_params['id']!r}", "worker_not_found")
+        assert self.gateway.membership is not None
+        self.gateway.membership.drain(member)
+        return _answer(200, member.describe())
+
+    async def remove_worker(self, request: Request) -> Response:
+        member = self._member(request)
+        if member is None:
+            return _error(404, f"no worker {request.path_params['id']!r}", "worker_not_found")
+        assert self.gateway.membership is not None
+        self.gateway.membership.remove(member)
+        return _answer(200, {**member.describe(), "removed": True})
+
+    async def reload(self, request: Request) -> Response:
+        try:
+            changes = await reload(self.gateway)
+        except ConfigError as exc:
+            return _error(400, f"reload refused, running configuration kept: {exc}", "reload_refused")
+        return _answer(200, {"reloaded": True, "changes": changes})
+
+    def _member(self, request: Request) -> Member | None:
+        assert self.gateway.membership is not None
+        return self.gateway.membership.find(request.path_params["id"])
+
+
+def _worker_spec(body: Any) -> tuple[str, str, WorkerSpec]:
+    if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        raise ValueError("model must be a string")
+    role = body.get("role")
+    if role == "prefill":
+        config = PrefillWorkerConfig.model_validate({k: body[k] for k in ("url", "bootstrap_port") if k in body})
+        return body["model"], role, WorkerSpec(config.url, "prefill", config.bootstrap_port, origin="admin")
+    if role == "decode":
+        config = DecodeWorkerConfig.model_validate({"url": body.get("url")})
+        return body["model"], role, WorkerSpec(config.url, "decode", origin="admin")
+    raise ValueError("role must be prefill or decode")
