@@ -59,6 +59,32 @@ class DecodeWorkerConfig(_Strict):
         return _validate_worker_url(url)
 
 
+class DnsWorkersConfig(_Strict):
+    """A role's workers from DNS: the A/AAAA records of a name (e.g. a Kubernetes headless Service), re-read every
+    `interval_s`. A new address passes the KV-pool gate before it gets traffic; one that disappears is drained."""
+
+    dns: str = Field(description="NAME:PORT")
+    bootstrap_port: int | None = Field(8998, ge=1, le=65535, description="prefill only")
+    interval_s: float = Field(5.0, gt=0)
+    scheme: Literal["http", "https"] = "http"
+
+    @field_validator("dns")
+    @classmethod
+    def _name_and_port(cls, value: str) -> str:
+        name, _, port = value.rpartition(":")
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"expected NAME:PORT, got {value!r}")
+        return value
+
+    @property
+    def name(self) -> str:
+        return self.dns.rpartition(":")[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.dns.rpartition(":")[2])
+
+
 def _validate_worker_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -140,8 +166,14 @@ class ModelConfig(_Strict):
     circuit_breaker: BreakerConfig = BreakerConfig()
     health: HealthConfig | None = Field(None, description="this model's workers' health checks (default: the "
                                                           "top-level health block)")
-    prefill: list[PrefillWorkerConfig] = Field(min_length=1)
-    decode: list[DecodeWorkerConfig] = Field(min_length=1)
+    prefill: list[PrefillWorkerConfig | DnsWorkersConfig] = Field(min_length=1)
+    decode: list[DecodeWorkerConfig | DnsWorkersConfig] = Field(min_length=1)
+
+    def static_workers(self, role: Literal["prefill", "decode"]) -> list[PrefillWorkerConfig | DecodeWorkerConfig]:
+        return [w for w in (self.prefill if role == "prefill" else self.decode) if not isinstance(w, DnsWorkersConfig)]
+
+    def dns_workers(self, role: Literal["prefill", "decode"]) -> list[DnsWorkersConfig]:
+        return [w for w in (self.prefill if role == "prefill" else self.decode) if isinstance(w, DnsWorkersConfig)]
 
     @property
     def configured_prompt_limit(self) -> int:
@@ -182,6 +214,11 @@ class AdminConfig(_Strict):
                                                                           "the admin API is off")
 
 
+class DiscoveryConfig(_Strict):
+    nameservers: list[str] = Field(default_factory=list, description="HOST or HOST:PORT resolvers for dns workers "
+                                                                      "(empty: the system's resolv.conf)")
+
+
 class ShutdownConfig(_Strict):
     grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may take to finish")
 
@@ -193,6 +230,7 @@ class GatewayConfig(_Strict):
     health: HealthConfig = HealthConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
     admin: AdminConfig = AdminConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
     max_body_bytes: int = Field(64 * 2**20, gt=0)
     max_header_bytes: int = Field(64 * 1024, gt=0, description="request line plus all headers")
     max_headers: int = Field(100, gt=0)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from gateway.config import ModelConfig, load_config
+from gateway.config import ModelConfig, PrefillWorkerConfig, load_config
 from gateway.server import serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,10 +59,11 @@ def _engine_commands(model: ModelConfig) -> list[tuple[str, list[str]]]:
               str(model.context_length), "--tokenizer", str(model.tokenizer), "--version", "0.5.8", "--bug"]
     if model.chat_template is not None:
         common += ["--chat-template", str(model.chat_template)]
-    bootstrap_port = model.prefill[0].bootstrap_port or 8998
+    prefill = [w for w in model.static_workers("prefill") if isinstance(w, PrefillWorkerConfig)]
+    bootstrap_port = prefill[0].bootstrap_port or 8998
     commands = []
-    for role, url, port in ([("prefill", w.url, w.bootstrap_port or 8998) for w in model.prefill]
-                            + [("decode", w.url, bootstrap_port) for w in model.decode]):
+    for role, url, port in ([("prefill", w.url, w.bootstrap_port or 8998) for w in prefill]
+                            + [("decode", w.url, bootstrap_port) for w in model.static_workers("decode")]):
         parts = urlsplit(url)
         commands.append((role, [sys.executable, "-m", "loadtests.engine", "--role", role, "--host",
                                 parts.hostname or "127.0.0.1", "--port", str(parts.port), "--bootstrap-port",

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from gateway.config import GatewayConfig
+from routing.discovery import initial_specs, make_resolver
 from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement, safe_limit
 from routing.monitor import WorkerMonitor
@@ -18,15 +19,21 @@ from routing.pools import pool_for
 
 
 async def collect(config: GatewayConfig) -> list[ModelJudgement]:
-    from gateway.runtime import health_spec, model_spec
+    from gateway.runtime import dns_sources, health_spec, model_spec
 
     engines = EngineClient(connect_timeout_s=config.timeouts.connect_s, verify_timeout_s=config.health.timeout_s,
                            abort_timeout_s=config.timeouts.abort_s)
     try:
         watched = []
+        sources = dns_sources(config)
+        found = await initial_specs(make_resolver(config.discovery.nameservers), sources) if sources else []
         for model in config.models:
             spec = model_spec(model)
-            watched.append((spec, pool_for(spec), health_spec(config.health_of(model))))
+            pool = pool_for(spec)
+            for name, worker_spec in found:
+                if name == model.name:
+                    pool.add(pool.new_worker(worker_spec))
+            watched.append((spec, pool, health_spec(config.health_of(model))))
         monitor = WorkerMonitor(engines, watched, lambda judgement, startup: None)
         return await monitor.verify_startup(config.gate.startup_timeout_s)
     finally:

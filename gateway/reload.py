@@ -21,7 +21,7 @@ log = logging.getLogger("kvgate.reload")
 
 # Settings the running process cannot change in place.
 _RESTART_KEYS = ("listen", "max_body_bytes", "max_header_bytes", "max_headers", "max_connections",
-                 "token_cache_bytes", "admission_workers")
+                 "token_cache_bytes", "admission_workers", "discovery")
 _MODEL_RESTART_KEYS = ("tokenizer", "chat_template", "chat_template_kwargs")
 
 
@@ -39,6 +39,8 @@ def restart_needed(old: GatewayConfig, new: GatewayConfig) -> list[str]:
         assert after is not None
         problems += [f"models.{before.name}.{key} changed" for key in _MODEL_RESTART_KEYS
                      if getattr(before, key) != getattr(after, key)]
+        if any(before.dns_workers(role) != after.dns_workers(role) for role in ("prefill", "decode")):
+            problems.append(f"models.{before.name}: dns worker entries changed")
         if _prefix_tokens(before) != _prefix_tokens(after):
             problems.append(f"models.{before.name}: prefix hashing changed (prefix_affinity or prefix_tokens)")
     return problems

@@ -22,6 +22,7 @@ from gateway.telemetry.metrics import GatewayMetrics
 from routing.breaker import BreakerSpec
 from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
+from routing.discovery import Discovery, DnsSource, initial_specs, make_resolver
 from routing.loads import LoadPoller
 from routing.membership import Membership
 from routing.monitor import WorkerMonitor
@@ -85,10 +86,16 @@ def model_spec(config: ModelConfig) -> ModelSpec:
         name=config.name, context_length=config.context_length,
         configured_prompt_limit=config.configured_prompt_limit, on_pool_mismatch=config.on_pool_mismatch,
         min_engine_version=config.min_engine_version, on_old_engine=config.on_old_engine,
-        prefill=tuple(WorkerSpec(w.url, "prefill", w.bootstrap_port) for w in config.prefill),
-        decode=tuple(WorkerSpec(w.url, "decode") for w in config.decode),
+        prefill=tuple(WorkerSpec(w.url, "prefill", getattr(w, "bootstrap_port", None))
+                      for w in config.static_workers("prefill")),
+        decode=tuple(WorkerSpec(w.url, "decode") for w in config.static_workers("decode")),
         limits=PoolLimits(limits.max_inflight_per_worker, limits.max_queue, limits.queue_timeout_s),
         breaker=BreakerSpec(breaker.failure_threshold, breaker.success_threshold, breaker.open_s))
+
+
+def dns_sources(config: GatewayConfig) -> list[DnsSource]:
+    return [DnsSource(model.name, role, entry.name, entry.port, entry.bootstrap_port, entry.interval_s, entry.scheme)
+            for model in config.models for role in ("prefill", "decode") for entry in model.dns_workers(role)]
 
 
 def health_spec(health: HealthConfig) -> HealthSpec:
@@ -125,6 +132,7 @@ class Gateway:
         self.engines: EngineClient | None = None
         self.monitor: WorkerMonitor | None = None
         self.membership: Membership | None = None
+        self.discovery: Discovery | None = None
         self.admission_workers: AdmissionWorkers | None = None
         self.load_pollers: dict[str, LoadPoller] = {}
         self.retry_budget = RetryBudget()
@@ -145,6 +153,12 @@ class Gateway:
                                     abort_timeout_s=timeouts.abort_s)
         self.metrics.watch_token_caches(
             lambda: [(m.name, m.admission.counter.cache_stats) for m in self.models.values()])
+        sources = dns_sources(self.config)
+        resolver = make_resolver(self.config.discovery.nameservers) if sources else None
+        if resolver is not None:
+            for name, spec in await initial_specs(resolver, sources):
+                pool = self.models[name].pool
+                pool.add(pool.new_worker(spec))
         self.monitor = WorkerMonitor(
             self.engines, [(m.spec, m.pool, health_spec(self.config.health_of(m.config))) for m in self.models.values()],
             self._apply_judgement)
@@ -158,6 +172,9 @@ class Gateway:
         self.monitor.start()
         for model in self.models.values():
             await self._poll_loads(model)
+        if resolver is not None:
+            self.discovery = Discovery(self.membership, sources, resolver)
+            self.discovery.start()
 
     async def _poll_loads(self, model: ServedModel) -> None:
         """Engines' own loads are read while, and only while, a power_of_two policy uses them."""
@@ -186,6 +203,8 @@ class Gateway:
             log.warning("shutdown grace of %gs over: %d request(s) cancelled on both halves", grace_s, cancelled)
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         for poller in self.load_pollers.values():
             await poller.stop()
         if self.monitor is not None:

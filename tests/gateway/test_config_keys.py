@@ -73,6 +73,7 @@ KEY_TESTS = {
     "models.circuit_breaker.success_threshold": "tests/routing/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",
     "models.circuit_breaker.open_s": "tests/routing/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",
     "admin.token_env": "tests/routing/test_worker_management.py::test_the_admin_api_needs_its_token_and_every_answer_has_a_request_id",
+    "discovery.nameservers": "tests/routing/test_dns_discovery.py::test_dns_workers_join_through_the_gate_and_leave_by_draining",
     "models.health": "tests/routing/test_routing_live.py::test_a_killed_decode_leaves_rotation_within_the_health_thresholds_while_prefill_serves_on",
 }
 
