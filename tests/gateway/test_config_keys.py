@@ -80,7 +80,7 @@ KEY_TESTS = {
 
 def _keys(node: Any, prefix: str = "") -> set[str]:
     if isinstance(node, list):
-        return set().union(*(_keys(item, prefix) for item in node)) if node else set()
+        return set().union(*(_keys(item, prefix) for item in node)) if node else {prefix.rstrip(".")}
     if not isinstance(node, dict):
         return {prefix.rstrip(".")}
     return set().union(*(_keys(value, f"{prefix}{key}.") for key, value in node.items()))
