@@ -6,11 +6,12 @@ A bad file fails at startup with `ConfigError`, whose message names the offendin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
+                      model_validator)
 
 from gateway.admission.chat import APPLY_CHAT_TEMPLATE_PARAMETERS, SGLANG_HANDLED_KWARGS
 
@@ -83,6 +84,18 @@ class DnsWorkersConfig(_Strict):
     @property
     def port(self) -> int:
         return int(self.dns.rpartition(":")[2])
+
+
+def _entry_kind(value: Any) -> str:
+    return _DNS_TAG if isinstance(value, dict) and "dns" in value else _URL_TAG
+
+
+# A worker entry is a URL or a DNS name; the tags only steer validation (they are left out of error locations).
+_URL_TAG, _DNS_TAG = "(by url)", "(by dns)"
+PrefillEntry = Annotated[Annotated[PrefillWorkerConfig, Tag(_URL_TAG)] | Annotated[DnsWorkersConfig, Tag(_DNS_TAG)],
+                         Discriminator(_entry_kind)]
+DecodeEntry = Annotated[Annotated[DecodeWorkerConfig, Tag(_URL_TAG)] | Annotated[DnsWorkersConfig, Tag(_DNS_TAG)],
+                        Discriminator(_entry_kind)]
 
 
 def _validate_worker_url(url: str) -> str:
@@ -166,8 +179,8 @@ class ModelConfig(_Strict):
     circuit_breaker: BreakerConfig = BreakerConfig()
     health: HealthConfig | None = Field(None, description="this model's workers' health checks (default: the "
                                                           "top-level health block)")
-    prefill: list[PrefillWorkerConfig | DnsWorkersConfig] = Field(min_length=1)
-    decode: list[DecodeWorkerConfig | DnsWorkersConfig] = Field(min_length=1)
+    prefill: list[PrefillEntry] = Field(min_length=1)
+    decode: list[DecodeEntry] = Field(min_length=1)
 
     def static_workers(self, role: Literal["prefill", "decode"]) -> list[PrefillWorkerConfig | DecodeWorkerConfig]:
         return [w for w in (self.prefill if role == "prefill" else self.decode) if not isinstance(w, DnsWorkersConfig)]
@@ -276,7 +289,7 @@ def load_config(path: str | Path) -> GatewayConfig:
 def _describe(exc: ValidationError) -> str:
     problems = []
     for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        key = ".".join(str(part) for part in error["loc"] if part not in (_URL_TAG, _DNS_TAG)) or "(top level)"
         problems.append(f"{key}: {error['msg']}")
     return "; ".join(problems)
 

@@ -27,11 +27,13 @@ if TYPE_CHECKING:
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a cap on a request's header bytes (request line included) and count."""
+    """uvicorn's httptools protocol with a cap on a request's header bytes (request line included) and count, and
+    on open connections (uvicorn's own `limit_concurrency` answers a bare 503; clients need Retry-After)."""
 
     max_header_bytes = 64 * 1024
     max_headers = 100
     head_timeout_s = 30.0
+    max_connections = 1024
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -39,6 +41,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._header_count = 0
         self._head_too_large = False
+        self._over_capacity = False
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -68,6 +71,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm_head_timer()
+        if len(self.connections) > self.max_connections or len(self.tasks) >= self.max_connections:
+            self._over_capacity = True
+            raise ConnectionRefusedError("over max_connections")  # stops the parser: answered in _feed
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
@@ -113,7 +119,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             else:
                 self._unsupported_upgrade_warning()
         except httptools.HttpParserError:
-            if self._head_too_large:
+            if self._over_capacity:
+                self._answer(503, "Service Unavailable", "overloaded",
+                             f"the gateway is at its limit of {self.max_connections} open connections",
+                             retry_after_s=1)
+            elif self._head_too_large:
                 self._reject()
             else:
                 self.send_400_response("Invalid HTTP request received.")
@@ -123,22 +133,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                      f"request headers exceed the gateway's limits ({self.max_headers} headers, "
                      f"{self.max_header_bytes} bytes)")
 
-    def _answer(self, status: int, reason: str, code: str, message: str) -> None:
+    def _answer(self, status: int, reason: str, code: str, message: str, *, retry_after_s: int | None = None) -> None:
         """An error written straight to the socket (no request reached the app), then the connection is closed."""
         body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                        "code": code}})
-        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                             b"content-length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body))
+        retry = b"retry-after: %d\r\n" % retry_after_s if retry_after_s is not None else b""
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n%s"
+                             b"content-length: %d\r\n\r\n%s" % (status, reason.encode(), retry, len(body), body))
         self.transport.close()
 
 
 def uvicorn_config(app: ASGIApp, config: GatewayConfig, *, log_level: str, loop: str = "uvloop") -> uvicorn.Config:
     protocol = type("GatewayHttpProtocol", (GuardedHttpToolsProtocol,),
                     {"max_header_bytes": config.max_header_bytes, "max_headers": config.max_headers,
-                     "head_timeout_s": config.timeouts.client_body_s})
+                     "head_timeout_s": config.timeouts.client_body_s, "max_connections": config.max_connections})
     return uvicorn.Config(app, host=config.listen.host, port=config.listen.port, log_level=log_level,
                           access_log=False, loop=loop, http=protocol, lifespan="on",
-                          limit_concurrency=config.max_connections, timeout_graceful_shutdown=5)
+                          timeout_graceful_shutdown=5)
 
 
 class GracefulServer(uvicorn.Server):

@@ -9,7 +9,6 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import Collection, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
 
 from routing.breaker import BreakerSpec
@@ -29,16 +28,19 @@ class Lease:
     """A pair with one request counted on each of its workers until `release()`: taken in the same step as the pick,
     so two requests woken together cannot both take the last slot."""
 
-    __slots__ = ("pair", "_loads")
+    __slots__ = ("pair", "_held")
 
     def __init__(self, pair: WorkerPair) -> None:
         self.pair = pair
-        self._loads = ExitStack()
-        self._loads.enter_context(pair.prefill.load())
-        self._loads.enter_context(pair.decode.load())
+        pair.prefill.begin_request()
+        pair.decode.begin_request()
+        self._held = True
 
     def release(self) -> None:
-        self._loads.close()
+        if self._held:
+            self._held = False
+            self.pair.decode.end_request()
+            self.pair.prefill.end_request()
 
 
 class NoWorkerAvailable(Exception):

@@ -181,17 +181,23 @@ class Worker:
 
     @contextmanager
     def load(self) -> Iterator[None]:
-        """Counts one request on this worker for as long as the block runs (while the breaker is half-open, it is
-        the probe)."""
-        self._in_flight += 1
-        self._breaker.on_dispatch()
+        """Counts one request on this worker for as long as the block runs."""
+        self.begin_request()
         try:
             yield
         finally:
-            self._in_flight -= 1
-            self._breaker.released_without_outcome()
-            if self._on_released is not None:
-                self._on_released(self)
+            self.end_request()
+
+    def begin_request(self) -> None:
+        """One more request on this worker (while the breaker is half-open, it is the probe)."""
+        self._in_flight += 1
+        self._breaker.on_dispatch()
+
+    def end_request(self) -> None:
+        self._in_flight -= 1
+        self._breaker.released_without_outcome()
+        if self._on_released is not None:
+            self._on_released(self)
 
     def _drop_verification(self, reason: str) -> None:
         was_verified = self._verified is not None

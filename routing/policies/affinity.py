@@ -3,7 +3,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from routing.policies.base import RouteKey
-from routing.policies.hashing import ranked
+from routing.policies.hashing import first_ranked, ranked
 from routing.policies.least_outstanding import LeastOutstanding
 from routing.workers import Worker
 
@@ -11,6 +11,10 @@ from routing.workers import Worker
 # this fraction more: affinity saves a prefill, it must not pile a hot prefix onto one engine.
 LOAD_GUARD_ABS = 8
 LOAD_GUARD_REL = 1.5
+
+
+def _within_guard(worker: Worker, least: int) -> bool:
+    return worker.in_flight - least <= LOAD_GUARD_ABS or worker.in_flight <= least * LOAD_GUARD_REL
 
 
 class _Affinity:
@@ -27,8 +31,11 @@ class _Affinity:
         if value is None or len(workers) < 2:
             return self._fallback.pick(workers, key)
         least = min(w.in_flight for w in workers)
-        for worker in ranked(workers, value):
-            if worker.in_flight - least <= LOAD_GUARD_ABS or worker.in_flight <= least * LOAD_GUARD_REL:
+        preferred = first_ranked(workers, value)
+        if _within_guard(preferred, least):
+            return preferred
+        for worker in ranked(workers, value):  # the preferred one is overloaded: the next in this key's ranking
+            if _within_guard(worker, least):
                 return worker
         return self._fallback.pick(workers, key)  # unreachable: the least loaded always passes
 

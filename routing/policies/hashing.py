@@ -20,3 +20,8 @@ def _mix(x: int) -> int:
 def ranked(workers: Sequence[Worker], key: int) -> Iterable[Worker]:
     """`workers` from the most to the least preferred for `key`."""
     return sorted(workers, key=lambda w: _mix(key ^ w.hash_seed), reverse=True)
+
+
+def first_ranked(workers: Sequence[Worker], key: int) -> Worker:
+    """The most preferred worker for `key` (what `ranked` lists first, without sorting the rest)."""
+    return max(workers, key=lambda w: _mix(key ^ w.hash_seed))

@@ -214,7 +214,9 @@ def test_connections_beyond_max_connections_get_503(tight_gateway: RunningGatewa
     idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
     try:
         time.sleep(0.2)
-        assert httpx.get(tight_gateway.url + "/healthz", timeout=10).status_code == 503
+        refused = httpx.get(tight_gateway.url + "/healthz", timeout=10)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "overloaded"
     finally:
         for sock in idle:
             sock.close()
