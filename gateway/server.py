@@ -46,6 +46,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # Judged when the connection opens: in a burst, the connections that came first are served.
+        self._over_capacity = len(self.connections) > self.max_connections
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -71,7 +73,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm_head_timer()
-        if len(self.connections) > self.max_connections or len(self.tasks) >= self.max_connections:
+        if self._over_capacity or len(self.tasks) >= self.max_connections:
             self._over_capacity = True
             raise ConnectionRefusedError("over max_connections")  # stops the parser: answered in _feed
         super().on_headers_complete()
