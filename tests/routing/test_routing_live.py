@@ -174,25 +174,24 @@ def test_a_failing_health_path_takes_the_worker_out_and_a_passing_one_brings_it_
         assert wait_for(lambda: sick.usable, timeout_s=5)
 
 
-def test_overload_ends_in_503_with_retry_after_never_502_and_workers_stay_in_rotation(tmp_path: Path) -> None:
-    engines = start_trio(token_delay_ms=60)
+def test_overload_ends_in_503_with_retry_after_never_502_and_workers_stay_in_rotation(trio: Trio,
+                                                                                      tmp_path: Path) -> None:
     limits = {"max_inflight_per_worker": 2, "max_queue": 3, "queue_timeout_s": 10}
-    try:
-        with gateway_for(engines, tmp_path, limits=limits) as gateway:
-            async def burst() -> list[httpx.Response]:
-                async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
-                    body = {**CHAT, "max_tokens": 16, "stream": True}
-                    return list(await asyncio.gather(*(client.post("/v1/chat/completions", json=body)
-                                                       for _ in range(24))))
+    with gateway_for(trio, tmp_path, limits=limits) as gateway:
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+                # 250 tokens at 2 ms: each holds its slots ~0.5 s
+                body = {"text": "Say hello.", "sampling_params": {"max_new_tokens": 250, "ignore_eos": True},
+                        "stream": True}
+                return list(await asyncio.gather(*(client.post("/generate", json=body) for _ in range(24))))
 
-            responses = asyncio.run(burst())
-            statuses = [r.status_code for r in responses]
-            assert set(statuses) == {200, 503}, statuses
-            assert statuses.count(200) >= 5  # the one prefill's 2 slots, then the 3 that waited for them
-            assert all(r.headers.get("retry-after") == "10" for r in responses if r.status_code == 503)
-            assert all(r.json()["error"]["code"] == "overloaded" for r in responses if r.status_code == 503)
-            assert all(b"data: [DONE]" in r.content for r in responses if r.status_code == 200)
-            pool = gateway.gateway.models["glm-5"].pool
-            assert all(w.usable and w.in_flight == 0 for w in pool.workers)
-    finally:
-        engines.stop()
+        responses = asyncio.run(burst())
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) == {200, 503}, statuses
+        assert statuses.count(200) >= 5  # the one prefill's 2 slots, then the 3 that waited for them
+        assert all(r.headers.get("retry-after") == "10" for r in responses if r.status_code == 503)
+        assert all(r.json()["error"]["code"] == "overloaded" for r in responses if r.status_code == 503)
+        assert all(r.content.endswith(b"data: [DONE]\n\n") for r in responses if r.status_code == 200)
+        pool = gateway.gateway.models["glm-5"].pool
+        assert wait_for(lambda: all(w.in_flight == 0 for w in pool.workers), timeout_s=5)  # every lease returned
+        assert all(w.usable for w in pool.workers) and pool.waiting == 0
