@@ -100,8 +100,14 @@ DecodeEntry = Annotated[Annotated[DecodeWorkerConfig, Tag(_URL_TAG)] | Annotated
 
 def _validate_worker_url(url: str) -> str:
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"expected an http(s) URL with a host, got {url!r}")
+    try:
+        port = parts.port  # raises for a port out of range or not a number
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or port == 0:
+        raise ValueError(f"expected an http(s) URL with a host and a valid port, got {url!r}")
+    if parts.path.strip("/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"expected a bare http(s)://host:port URL, got {url!r}")
     return url.rstrip("/")
 
 
@@ -273,6 +279,8 @@ def load_config(path: str | Path) -> GatewayConfig:
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from exc
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     except yaml.YAMLError as exc:

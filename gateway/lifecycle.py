@@ -73,6 +73,9 @@ _RELAY_HIGH_WATER = 1 << 20
 _RELAY_LOW_WATER = 1 << 18
 # An engine's own prompt count inside an event (a key: inside a JSON string every quote is escaped).
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(-?\d+)')
+# How SGLang's decode words a failure of the bootstrap or the KV transfer from its prefill.
+_TRANSFER_FAILURE = re.compile(r"(?i)bootstrap|transfer|prefill")
+_PREFILL_TRANSFER_FAILURE = re.compile(r"(?i)bootstrap|transfer|decode")
 
 
 class RelayQueue(asyncio.Queue[RelayEvent]):
@@ -173,9 +176,12 @@ class ExchangeRegistry:
     async def drain(self, timeout_s: float) -> int:
         """Wait up to `timeout_s` for every exchange to end; cancel those still running and wait until their
         halves are closed and aborted. Returns how many were cancelled."""
-        waiting = [exchange.closed for exchange in self.running]
-        if waiting and timeout_s > 0:
-            await asyncio.wait(waiting, timeout=timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        # Requests still being admitted or queued when the drain began join `running` later: wait for them too.
+        while self.running and (remaining := deadline - loop.time()) > 0:
+            await asyncio.wait([exchange.closed for exchange in self.running], timeout=remaining,
+                               return_when=asyncio.FIRST_COMPLETED)
         left = list(self.running)
         for exchange in left:
             exchange.fail(GatewayError(503, "the gateway is shutting down", code="shutting_down"))
@@ -225,9 +231,7 @@ class PDExchange:
         self.client_gone = False
         self.first_token_at: float | None = None
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        prefill_identity = pair.prefill.verified
-        counted = admitted.prompt_tokens_for(prefill_identity.version) if prefill_identity else None
-        self.prompt_tokens = counted if counted is not None else admitted.most_prompt_tokens
+        self.prompt_tokens = self._count_for(pair.prefill)
         self._release_verified = release == "verified"
         self._released = False
         self._held: list[bytes] = []
@@ -240,7 +244,7 @@ class PDExchange:
         self._registry = registry
         self._on_closed = on_closed
         self._retries = retries
-        self._judged: set[Worker] = set()  # workers whose outcome this exchange has reported
+        self._judged: set[tuple[Worker, bool]] = set()  # (worker, success) outcomes already reported
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatch_task: asyncio.Task[None] | None = None
         self._prefill_task: asyncio.Task[None] | None = None
@@ -299,10 +303,11 @@ class PDExchange:
         retries = self._retries
         if retries is None or self.retries_made >= retries.attempts or self.failure is not None:
             return False
-        if not retries.budget.withdraw():
-            return False
         lease = retries.repick(tried)
         if lease is None:
+            return False
+        if not retries.budget.withdraw():
+            lease.release()
             return False
         self.retries_made += 1
         pair = lease.pair
@@ -312,17 +317,25 @@ class PDExchange:
         self._lease, self.pair = lease, pair
         self._rooms.release(self.room)
         self.rid, self.room = new_rid(), self._rooms.acquire()
+        self.prompt_tokens = self._count_for(pair.prefill)
         return True
 
+    def _count_for(self, prefill: Worker) -> int:
+        identity = prefill.verified
+        counted = self.admitted.prompt_tokens_for(identity.version) if identity else None
+        return counted if counted is not None else self.admitted.most_prompt_tokens
+
     def _judge(self, worker: Worker, error: EngineError | None) -> None:
-        """Report once what this request said about an engine: a success, or a failure of the engine's own
-        (5xx, broken connection, timeout). A 4xx is the request's fault and says nothing."""
-        if worker in self._judged:
-            return
+        """Report what this request said about an engine to its breaker: a success once, and a failure of the
+        engine's own once (5xx, broken connection, its own timeout; it may follow a success, e.g. a stream that
+        broke after its first token). A 4xx is the request's fault and says nothing."""
         if isinstance(error, EngineRejected) and error.status < 500:
             return
-        self._judged.add(worker)
-        worker.record_outcome(error is None)
+        key = (worker, error is None)
+        if key in self._judged:
+            return
+        self._judged.add(key)
+        worker.record_outcome(error is None, self._lease.ticket(worker))
 
     def _expected_counts(self) -> tuple[int, int]:
         """Each engine's prompt count as the gateway counted it for that engine's version — checked again against
@@ -414,22 +427,41 @@ class PDExchange:
 
     def _prefill_timeout(self) -> None:
         if not self._prefill_settled.is_set():
-            self._fail_leg(self.pair.prefill, EngineTimeout(
-                "prefill", f"prefill did not answer within {self.timeouts.prefill_s:g}s"))
+            # A prefill waits for its decode to take the KV transfer: it is to blame only if decode got that far.
+            blame = self.pair.prefill if self.first_token_at is not None else None
+            self._fail_leg(blame, EngineTimeout("prefill", f"prefill did not answer within {self.timeouts.prefill_s:g}s"))
 
     def _first_token_timeout(self) -> None:
         if self.first_token_at is None:
-            self._fail_leg(self.pair.decode, EngineTimeout(
+            # Decode's first token needs prefill's KV: decode is to blame only if prefill has delivered.
+            blame = self.pair.decode if self._prefill_ok else None
+            self._fail_leg(blame, EngineTimeout(
                 "decode", f"decode produced no first token within {self.timeouts.first_token_s:g}s"))
 
     def _idle_timeout(self) -> None:
         self._fail_leg(self.pair.decode, EngineTimeout("decode", f"decode sent nothing for {self.timeouts.idle_s:g}s"))
 
-    def _fail_leg(self, worker: Worker, error: EngineError) -> None:
-        """A failure of one engine's own: it counts against that worker (its breaker), and ends the exchange."""
-        if self.failure is None and self._sent:
-            self._judge(worker, error)
+    def _fail_leg(self, blame: Worker | None, error: EngineError) -> None:
+        """A failure that ends the exchange; it counts against `blame`'s breaker when that engine is provably at
+        fault (None: it may be either half, e.g. a KV transfer that failed)."""
+        if blame is not None and self.failure is None and self._sent:
+            self._judge(blame, error)
         self.fail(map_engine_error(error))
+
+    def _prefill_blame(self, error: EngineError) -> Worker | None:
+        """A prefill that reports a failed KV transfer before decode produced anything may be the decode's victim."""
+        if self.first_token_at is None and isinstance(error, EngineRejected) \
+                and _PREFILL_TRANSFER_FAILURE.search(error.detail):
+            return None
+        return self.pair.prefill
+
+    def _decode_blame(self, error: EngineError) -> Worker | None:
+        """A decode failure before its first token while prefill has not delivered may be the KV transfer's or the
+        prefill's (SGLang's decode reports a lost bootstrap or transfer as its own 500): nobody is blamed."""
+        if self.first_token_at is None and not self._prefill_ok and isinstance(error, EngineRejected) \
+                and _TRANSFER_FAILURE.search(error.detail):
+            return None
+        return self.pair.decode
 
     def _total_timeout(self) -> None:
         self.fail(GatewayError(504, f"request exceeded its total time limit of {self.timeouts.total_s:g}s",
@@ -502,9 +534,9 @@ class PDExchange:
             self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
         except EngineRejected as error:
             self._prefill_settled.set()  # it answered
-            self._fail_leg(worker, error)
+            self._fail_leg(self._prefill_blame(error), error)
         except EngineError as error:
-            self._fail_leg(worker, error)
+            self._fail_leg(self._prefill_blame(error), error)
         except Exception:  # an answer this code did not foresee must still end the request, never hang it
             log.exception("prefill answer for rid=%s could not be handled", self.rid)
             self._judge(worker, EngineBroken("prefill", "unforeseen answer"))
@@ -532,9 +564,14 @@ class PDExchange:
                 self._on_decode_event(data, worker, expected)
                 if first:
                     self._maybe_let_go()
+                if first:
+                    self._judge(worker, None)  # decode works: a half-open breaker's probe succeeded here
                 if self.events.held_bytes > _RELAY_HIGH_WATER:
-                    await self.events.drained()  # a slow client: stop reading from decode until it catches up
-                    self._watchdog.touch()
+                    # A slow client: stop reading from decode until it catches up. Decode's silence meanwhile is
+                    # the client's doing: the idle timer waits too.
+                    self._watchdog.pause()
+                    await self.events.drained()
+                    self._watchdog.resume()
             if self.first_token_at is None:
                 raise EngineBroken("decode", "decode stream ended before its first token")
             if not self._decode_finished:
@@ -548,7 +585,7 @@ class PDExchange:
             self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
             await _parked()  # keep the connection: `_cancel` closes it in the safe order
         except EngineError as error:
-            self._fail_leg(worker, error)
+            self._fail_leg(self._decode_blame(error), error)
         except asyncio.CancelledError:
             if self.failure is None and not self.client_gone:
                 raise
@@ -597,6 +634,15 @@ class IdleWatchdog:
     def touch(self) -> None:
         self._last = self._loop.time()
 
+    def pause(self) -> None:
+        """No timeout until `resume()`."""
+        self.stop()
+
+    def resume(self) -> None:
+        self._last = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._last + self._idle_s, self._check)
+
     def _check(self) -> None:
         deadline = self._last + self._idle_s
         if self._loop.time() < deadline:
@@ -638,14 +684,14 @@ def _parse_result(role: Literal["prefill", "decode"], payload: bytes) -> dict[st
         error = parsed.get("error", parsed)
         code = error.get("code") if isinstance(error, dict) else None
         status = code if isinstance(code, int) and 400 <= code < 600 else 502
-        raise EngineRejected(role, f"{role} reported an error: {message}", status=status)
+        raise EngineRejected(role, f"{role} reported an error: {message}", status=status, detail=message)
     meta = parsed.get("meta_info")
     finish = meta.get("finish_reason") if isinstance(meta, dict) else None
     if isinstance(finish, dict) and finish.get("type") == "abort":
         message = str(finish.get("message") or "request aborted")
         status = finish.get("status_code") if isinstance(finish.get("status_code"), int) else 502
         raise EngineRejected(role, f"{role} aborted the request: {message}",
-                             status=400 if is_length_rejection(message) else status)
+                             status=400 if is_length_rejection(message) else status, detail=message)
     choices = parsed.get("choices") or []
     if not isinstance(choices, list):
         raise EngineBroken(role, f"{role} answered with malformed choices")

@@ -26,6 +26,15 @@ class BreakerSpec:
     open_s: float = 10.0
 
 
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """What the breaker handed one request: the breaker period it was dispatched in, and whether it is the probe.
+    Outcomes of requests dispatched before the breaker last opened say nothing about the engine now."""
+
+    period: int
+    probe: bool
+
+
 class CircuitBreaker:
     def __init__(self, spec: BreakerSpec, clock: Callable[[], float] = time.monotonic) -> None:
         self._spec = spec
@@ -34,6 +43,7 @@ class CircuitBreaker:
         self._failures = 0
         self._successes = 0
         self._opened_at = 0.0
+        self._period = 0  # +1 at each opening
         self._probing = False
 
     def reconfigure(self, spec: BreakerSpec) -> None:
@@ -50,20 +60,27 @@ class CircuitBreaker:
         state = self.state
         return state is BreakerState.CLOSED or (state is BreakerState.HALF_OPEN and not self._probing)
 
-    def on_dispatch(self) -> None:
-        """A request is going to this worker: while not closed, it is the probe."""
-        if self.state is not BreakerState.CLOSED:
-            self._state = BreakerState.HALF_OPEN
-            self._probing = True
+    def on_dispatch(self) -> Ticket:
+        """A request is going to this worker: while not closed, it is the one probe."""
+        if self.state is BreakerState.CLOSED:
+            return Ticket(self._period, probe=False)
+        self._state = BreakerState.HALF_OPEN
+        self._probing = True
+        return Ticket(self._period, probe=True)
 
-    def record(self, ok: bool) -> None:
+    def record(self, ok: bool, ticket: Ticket) -> None:
+        """An outcome of the request holding `ticket` (see the module docstring for what counts)."""
+        if ticket.period != self._period:
+            return  # dispatched before the breaker last opened
+        if ticket.probe:
+            self._probing = False
+        elif self._state is not BreakerState.CLOSED:
+            return  # only the probe speaks while the breaker is not closed
         spec = self._spec
-        self._probing = False
         if ok:
             self._failures = 0
             if self._state is BreakerState.CLOSED:
                 return
-            self._state = BreakerState.HALF_OPEN
             self._successes += 1
             if self._successes >= spec.success_threshold:
                 self._state, self._successes = BreakerState.CLOSED, 0
@@ -72,7 +89,10 @@ class CircuitBreaker:
         self._failures += 1
         if self._state is not BreakerState.CLOSED or self._failures >= spec.failure_threshold:
             self._state, self._opened_at, self._failures = BreakerState.OPEN, self._now(), 0
+            self._period += 1
+            self._probing = False
 
-    def released_without_outcome(self) -> None:
-        """A probe that ended without saying anything about the engine (client gone, other half failed)."""
-        self._probing = False
+    def release(self, ticket: Ticket) -> None:
+        """The request holding `ticket` ended (with or without an outcome): a probe frees the way for the next."""
+        if ticket.probe and ticket.period == self._period:
+            self._probing = False

@@ -37,6 +37,8 @@ async def read_worker(engines: EngineClient, url: str, *, timeout_s: float, with
         models = await engines.get_json(url, "/v1/models", timeout_s=timeout_s)
     except EngineError as exc:
         return Reading(None, str(exc))
+    except ValueError as exc:  # an address that cannot be connected to at all (e.g. a bad port)
+        return Reading(None, f"{url}: {exc}")
     try:
         info = EngineInfo(parse_identity(server_info), _effective_context(server_info, models))
     except (KeyError, TypeError, ValueError) as exc:

@@ -76,9 +76,12 @@ class Membership:
         worker = pool.new_worker(spec)
         pool.add(worker)
         self._monitor.watch(model, worker)
-        judgement = await self._monitor.verify_now(model)
+        try:
+            judgement = await self._monitor.verify_now(model)
+        finally:
+            if worker.verified is None:
+                pool.remove(worker)  # never kept unless the gate passed it, whatever happened meanwhile
         if worker.verified is None:
-            pool.remove(worker)
             problems = next((v.problems for v in judgement.workers if v.worker is worker), [])
             raise WorkerRefused(f"{spec.role} worker {spec.url} refused by the KV-pool gate: "
                                 + ("; ".join(problems) or worker.out_of_rotation_reason))

@@ -38,6 +38,9 @@ class WorkerMonitor:
         self._on_judgement = on_judgement
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = {spec.name: asyncio.Event() for spec, _, _ in models}
+        # One read-and-judge at a time per model: a poll that started before a worker was added must not finish
+        # after the one that includes it and overwrite its judgement.
+        self._polling = {spec.name: asyncio.Lock() for spec, _, _ in models}
         for spec, pool, _ in models:
             for worker in pool.workers:
                 self.watch(spec.name, worker)
@@ -97,6 +100,10 @@ class WorkerMonitor:
             await self._poll(watched)
 
     async def _poll(self, watched: Watched) -> ModelJudgement:
+        async with self._polling[watched[0].name]:
+            return await self._poll_now(self._watched(watched[0].name))
+
+    async def _poll_now(self, watched: Watched) -> ModelJudgement:
         spec, pool, health = watched
         workers = list(pool.workers)
         results = await asyncio.gather(*(self._read(w, health, with_metrics=False) for w in workers))

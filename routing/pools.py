@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from routing.breaker import BreakerSpec
+from routing.breaker import BreakerSpec, Ticket
 from routing.policies import NO_KEY, Policy, RouteKey
 from routing.policies.round_robin import RoundRobin
 from routing.specs import ModelSpec, PoolLimits
@@ -28,19 +28,22 @@ class Lease:
     """A pair with one request counted on each of its workers until `release()`: taken in the same step as the pick,
     so two requests woken together cannot both take the last slot."""
 
-    __slots__ = ("pair", "_held")
+    __slots__ = ("pair", "_tickets", "_held")
 
     def __init__(self, pair: WorkerPair) -> None:
         self.pair = pair
-        pair.prefill.begin_request()
-        pair.decode.begin_request()
+        self._tickets = (pair.prefill.begin_request(), pair.decode.begin_request())
         self._held = True
+
+    def ticket(self, worker: Worker) -> Ticket:
+        """What `worker`'s breaker handed this request (its outcome is reported with it)."""
+        return self._tickets[0] if worker is self.pair.prefill else self._tickets[1]
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self.pair.decode.end_request()
-            self.pair.prefill.end_request()
+            self.pair.decode.end_request(self._tickets[1])
+            self.pair.prefill.end_request(self._tickets[0])
 
 
 class NoWorkerAvailable(Exception):
@@ -71,6 +74,7 @@ class ModelPool:
         self._policies: dict[Role, Policy] = {"prefill": prefill_policy or RoundRobin(),
                                               "decode": decode_policy or RoundRobin()}
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._woken = 0  # waiters woken that have not run yet: a slot freed for them is theirs
         for worker in [*prefill, *decode]:
             self.add(worker)
 
@@ -95,12 +99,12 @@ class ModelPool:
         self.limits, self.breaker = limits, breaker
         self._policies = {"prefill": prefill_policy, "decode": decode_policy}
         for worker in self.workers:
-            worker.reconfigure(breaker=breaker, max_inflight=limits.max_inflight_per_worker)
-        self._wake_one(None)  # a higher limit may let a waiting request in
+            worker.reconfigure(breaker=breaker, max_inflight=limits.max_inflight_per_worker)  # wakes waiters
 
     def add(self, worker: Worker) -> None:
         (self.prefill if worker.role == "prefill" else self.decode).append(worker)
-        worker.on_released(self._wake_one)
+        worker.on_capacity(self._wake_one)
+        self._wake_one(worker)
 
     def remove(self, worker: Worker) -> None:
         members = self.prefill if worker.role == "prefill" else self.decode
@@ -119,11 +123,16 @@ class ModelPool:
             raise PoolSaturated(str(exc), self._retry_after_s()) from None
 
     async def acquire_pair(self, key: RouteKey = NO_KEY) -> Lease:
-        """A pair with room, waiting in a bounded FIFO queue while every worker in rotation is full."""
-        try:
-            return self._pick(key, ())
-        except _AtCapacity as exc:
-            full = str(exc)
+        """A pair with room, waiting in a bounded FIFO queue while every worker in rotation is full. A request that
+        arrives while others wait queues behind them, even if a slot is free this instant (it is theirs)."""
+        full = "requests are waiting"
+        if not self._waiters and not self._woken:
+            try:
+                return self._pick(key, ())
+            except _AtCapacity as exc:
+                full = str(exc)
+        else:
+            self._check_roles()  # a role with no worker at all answers at once, not after a wait
         if len(self._waiters) >= self.limits.max_queue:
             raise PoolSaturated(f"model {self.name!r} is at capacity and its queue is full ({full})",
                                 self._retry_after_s())
@@ -136,26 +145,45 @@ class ModelPool:
             try:
                 async with asyncio.timeout_at(deadline):
                     await waiter
-            except TimeoutError:
-                raise PoolSaturated(f"model {self.name!r} stayed at capacity for {self.limits.queue_timeout_s:g}s "
-                                    f"({full})", self._retry_after_s()) from None
-            finally:
+            except BaseException as exc:  # timed out, or the client went away
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
+                elif waiter.done() and not waiter.cancelled():
+                    self._woken -= 1
+                    self._wake_one(None)  # it was woken for a slot it will not take: pass the turn on
+                if isinstance(exc, TimeoutError):
+                    raise PoolSaturated(f"model {self.name!r} stayed at capacity for "
+                                        f"{self.limits.queue_timeout_s:g}s ({full})", self._retry_after_s()) from None
+                raise
+            self._woken -= 1
             try:
-                return self._pick(key, ())
+                lease = self._pick(key, ())
             except _AtCapacity as exc:
-                full, front = str(exc), True  # woken but beaten to the slot: keep its place at the front
+                full, front = str(exc), True  # woken but the slot went elsewhere: keep its place at the front
+                continue
+            except NoWorkerAvailable:
+                self._wake_one(None)
+                raise
+            self._wake_one(None)  # there may be room for the next one too: it tries, and queues again if not
+            return lease
 
     def _pick(self, key: RouteKey, exclude: Collection[Worker]) -> Lease:
-        prefill = self._pick_role("prefill", self.prefill, key, exclude)
-        decode = self._pick_role("decode", self.decode, key, exclude)
+        prefill_ready, decode_ready = self._check_roles(exclude)
+        prefill = self._pick_role("prefill", prefill_ready, key)
+        decode = self._pick_role("decode", decode_ready, key)
         return Lease(WorkerPair(prefill, decode))
 
-    def _pick_role(self, role: Role, workers: list[Worker], key: RouteKey, exclude: Collection[Worker]) -> Worker:
-        in_rotation = [w for w in workers if w.usable and w not in exclude]
-        if not in_rotation:
-            raise NoWorkerAvailable(f"no usable {role} worker for model {self.name!r} ({_why(workers, exclude)})")
+    def _check_roles(self, exclude: Collection[Worker] = ()) -> tuple[list[Worker], list[Worker]]:
+        """Each role's workers in rotation; NoWorkerAvailable when a role has none (checked before any capacity)."""
+        found = []
+        for role, workers in (("prefill", self.prefill), ("decode", self.decode)):
+            in_rotation = [w for w in workers if w.usable and w not in exclude]
+            if not in_rotation:
+                raise NoWorkerAvailable(f"no usable {role} worker for model {self.name!r} ({_why(workers, exclude)})")
+            found.append(in_rotation)
+        return found[0], found[1]
+
+    def _pick_role(self, role: Role, in_rotation: list[Worker], key: RouteKey) -> Worker:
         with_room = [w for w in in_rotation if w.has_room]
         if not with_room:
             raise _AtCapacity(f"all {len(in_rotation)} {role} workers at "
@@ -169,6 +197,7 @@ class ModelPool:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
+                self._woken += 1
                 return
 
     def _retry_after_s(self) -> int:

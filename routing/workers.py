@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
-from routing.breaker import BreakerSpec, BreakerState, CircuitBreaker
+from routing.breaker import BreakerSpec, BreakerState, CircuitBreaker, Ticket
 from routing.engines.identity import EngineIdentity
 from routing.stable_hash import stable_hash
 
@@ -51,7 +51,7 @@ class Worker:
         self._failures = 0
         self._successes = 0
         self._on_needs_verification: Callable[[Worker], None] | None = None
-        self._on_released: Callable[[Worker], None] | None = None
+        self._on_capacity: Callable[[Worker], None] | None = None
         self._breaker = CircuitBreaker(breaker)
         self._max_inflight = max_inflight
         self._draining = False
@@ -113,10 +113,13 @@ class Worker:
     # ── transitions ─────────────────────────────────────────────────────────────────────────────────────────
     def accept(self, identity: EngineIdentity) -> None:
         """The gate passed this engine identity: the worker takes traffic on connections that confirm it."""
-        if self._verified is None:
+        joining = self._verified is None
+        if joining:
             log.info("worker %s (%s) is in rotation", self.url, self.role)
         self._verified = identity
         self._out_reason = ""
+        if joining:
+            self._capacity_changed()
 
     def refuse(self, reason: str) -> None:
         """The gate refused the worker (or could not read it): no traffic until it passes again."""
@@ -141,6 +144,7 @@ class Worker:
             if not self._healthy and self._successes >= success_threshold:
                 self._healthy = True
                 log.info("worker %s is healthy again", self.url)
+                self._capacity_changed()
         else:
             self._successes = 0
             self._failures += 1
@@ -148,10 +152,10 @@ class Worker:
                 self._healthy = False
                 log.warning("worker %s is unhealthy", self.url)
 
-    def record_outcome(self, ok: bool) -> None:
+    def record_outcome(self, ok: bool, ticket: Ticket) -> None:
         """What one request's leg on this engine said about it (see routing.breaker for what counts)."""
         before = self._breaker.state
-        self._breaker.record(ok)
+        self._breaker.record(ok, ticket)
         after = self._breaker.state
         if after is not before:
             log_level = logging.WARNING if after is BreakerState.OPEN else logging.INFO
@@ -161,6 +165,7 @@ class Worker:
         """New limits from a reloaded configuration (the breaker keeps its state, with the new thresholds)."""
         self._breaker.reconfigure(breaker)
         self._max_inflight = max_inflight
+        self._capacity_changed()
 
     def record_engine_load(self, tokens: int) -> None:
         self._engine_load = (time.monotonic(), tokens)
@@ -171,33 +176,37 @@ class Worker:
             log.info("worker %s (%s) is draining (%d in flight)", self.url, self.role, self._in_flight)
         self._draining = True
 
-    def on_released(self, callback: Callable[[Worker], None]) -> None:
-        """`callback(worker)` runs whenever a request on this worker ends (a waiting request may take its place)."""
-        self._on_released = callback
+    def on_capacity(self, callback: Callable[[Worker], None]) -> None:
+        """`callback(worker)` runs whenever the worker may take one more request than before: a request on it
+        ended, it joined rotation, it is healthy again, its limit changed (a waiting request may go to it)."""
+        self._on_capacity = callback
+
+    def _capacity_changed(self) -> None:
+        if self._on_capacity is not None:
+            self._on_capacity(self)
 
     def on_needs_verification(self, callback: Callable[[Worker], None]) -> None:
         """`callback(worker)` runs whenever the worker drops out pending re-verification (the monitor reads it)."""
         self._on_needs_verification = callback
 
     @contextmanager
-    def load(self) -> Iterator[None]:
+    def load(self) -> Iterator[Ticket]:
         """Counts one request on this worker for as long as the block runs."""
-        self.begin_request()
+        ticket = self.begin_request()
         try:
-            yield
+            yield ticket
         finally:
-            self.end_request()
+            self.end_request(ticket)
 
-    def begin_request(self) -> None:
+    def begin_request(self) -> Ticket:
         """One more request on this worker (while the breaker is half-open, it is the probe)."""
         self._in_flight += 1
-        self._breaker.on_dispatch()
+        return self._breaker.on_dispatch()
 
-    def end_request(self) -> None:
+    def end_request(self, ticket: Ticket) -> None:
         self._in_flight -= 1
-        self._breaker.released_without_outcome()
-        if self._on_released is not None:
-            self._on_released(self)
+        self._breaker.release(ticket)
+        self._capacity_changed()
 
     def _drop_verification(self, reason: str) -> None:
         was_verified = self._verified is not None

@@ -26,6 +26,7 @@ from gateway.errors import bad_request, context_length_exceeded
 from routing.stable_hash import stable_hash
 
 T = TypeVar("T")
+PREFIX_WINDOW_CHARS = 16384  # the most of a prompt read for its prefix hash (~4 ms of encoding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +118,15 @@ class Admission:
         else:
             text, special = head
             # ~4 characters a token in prose; the window widens while it holds too few (encoding costs ~0.25 µs a
-            # character), up to 64 characters a token (a whitespace run). Prompts that share their first `window`
+            # character, on the event loop), up to 16 KiB characters. Prompts that share their first `window`
             # characters get the same ids, which is all affinity needs.
-            window = n * 4
+            window = min(n * 4, PREFIX_WINDOW_CHARS)
             while True:
                 ids = self.tokenizer.tokenizer.encode_batch_fast([text[:window]], add_special_tokens=special)[0].ids
-                if len(ids) > n or window >= len(text) or window >= n * 64:
+                if len(ids) > n or window >= len(text) or window >= PREFIX_WINDOW_CHARS:
                     ids = ids[:n]
                     break
-                window *= 2
+                window = min(window * 2, PREFIX_WINDOW_CHARS)
         salt_bytes = salt.encode() if salt is not None else b""
         return stable_hash(array("q", (int(i) for i in ids)).tobytes(), salt_bytes)
 

@@ -200,7 +200,8 @@ async def _rejection(role: Role, url: str, response: Response) -> EngineError:
         detail = ""
     finally:
         response.close()
-    return EngineRejected(role, f"{role} worker {url} answered {response.status}: {detail}", status=response.status)
+    return EngineRejected(role, f"{role} worker {url} answered {response.status}: {detail}", status=response.status,
+                          detail=detail)
 
 
 def error_message(body: bytes) -> str:

@@ -48,9 +48,10 @@ class EngineTimeout(EngineError):
 class EngineRejected(EngineError):
     """The engine answered with an error: a non-2xx status, or an error or abort reported inside a 2xx."""
 
-    def __init__(self, role: Role, message: str, *, status: int) -> None:
+    def __init__(self, role: Role, message: str, *, status: int, detail: str = "") -> None:
         super().__init__(role, message)
         self.status = status
+        self.detail = detail  # the engine's own words, when it gave any
         self.length_rejection = is_length_rejection(message)
 
 

@@ -17,6 +17,7 @@ from gateway.admission.requests import UsageOptions
 from gateway.config import TimeoutsConfig
 from gateway.lifecycle import ClientGone, Done, Failure, ExchangeRegistry, PDExchange, RelayEvent, Release, RoomAllocator
 from routing.engines.errors import EngineBroken, EngineChanged, EngineError, EngineRejected, EngineUnreachable
+from routing.breaker import BreakerSpec, BreakerState
 from routing.engines.identity import EngineIdentity
 from routing.pools import Lease, WorkerPair
 from routing.workers import Worker, WorkerSpec
@@ -349,4 +350,46 @@ def test_decode_stops_reading_while_a_slow_client_has_a_megabyte_waiting() -> No
         run.decode.push(b"[DONE]", END)
         run.exchange.disconnect()
         await run.finished()
+    _run(scenario)
+
+
+# ── what counts against a worker's circuit breaker ───────────────────────────────────────────────────────────
+def test_a_client_that_stops_reading_is_not_an_idle_decode() -> None:
+    """Backpressure stops reading decode; its silence meanwhile is the client's, not an engine failure."""
+    async def scenario() -> None:
+        run = Run()
+        await run.start()
+        await run.prefill_answers()
+        await run.first_token()
+        big = _event(text="y" * 100_000)
+        run.decode.push(*[big] * 15)  # 1.5 MB: past the relay's high-water mark, nobody reading
+        await asyncio.sleep(3 * FAST.idle_s)
+        assert run.exchange.failure is None
+        assert run.exchange.pair.decode.breaker_state is BreakerState.CLOSED
+        run.relayed()  # the client catches up
+        await _settle()
+        run.decode.push(b"[DONE]", END)
+        await run.finished()
+        assert run.exchange.failure is None and isinstance(run.relayed()[-1], Done)
+        assert run.exchange.pair.decode._breaker._failures == 0
+    _run(scenario)
+
+
+@pytest.mark.parametrize(("detail", "blamed"), [
+    ("Could not fetch prefill parallel info from bootstrap_addr", False),  # the prefill's side, or the transfer
+    ("CUDA error: an illegal memory access was encountered", True),
+])
+def test_a_decode_failure_before_prefill_delivered_is_blamed_only_when_it_is_the_decodes_own(
+        detail: str, blamed: bool) -> None:
+    async def scenario() -> None:
+        run = Run()
+        strict = BreakerSpec(failure_threshold=1)
+        for worker in (run.exchange.pair.prefill, run.exchange.pair.decode):
+            worker.reconfigure(breaker=strict, max_inflight=None)
+        await run.start()
+        run.decode.reject(EngineRejected("decode", f"decode answered 500: {detail}", status=500, detail=detail))
+        await run.finished()
+        decode, prefill = run.exchange.pair.decode, run.exchange.pair.prefill
+        assert (decode.breaker_state is BreakerState.OPEN) is blamed
+        assert prefill.breaker_state is BreakerState.CLOSED
     _run(scenario)

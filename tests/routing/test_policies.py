@@ -103,31 +103,54 @@ def test_every_policy_picks_among_the_given_workers_only(name: str) -> None:
 def test_breaker_opens_after_failures_in_a_row_half_opens_for_one_probe_and_closes_after_successes() -> None:
     now = [0.0]
     breaker = CircuitBreaker(BreakerSpec(failure_threshold=3, success_threshold=2, open_s=10), clock=lambda: now[0])
+
+    def request(ok: bool) -> None:
+        ticket = breaker.on_dispatch()
+        breaker.record(ok, ticket)
+        breaker.release(ticket)
+
     for ok in (False, False, True, False, False):
-        breaker.record(ok)
+        request(ok)
     assert breaker.state is BreakerState.CLOSED  # never 3 in a row
-    breaker.record(False)
+    request(False)
     assert breaker.state is BreakerState.OPEN and not breaker.admits()
     now[0] = 10.0
     assert breaker.state is BreakerState.HALF_OPEN and breaker.admits()
-    breaker.on_dispatch()
-    assert not breaker.admits()  # one probe at a time
-    breaker.record(False)  # the probe failed: open again, for another open_s
+    probe = breaker.on_dispatch()
+    assert probe.probe and not breaker.admits()  # one probe at a time
+    breaker.record(False, probe)  # the probe failed: open again, for another open_s
+    breaker.release(probe)
     assert breaker.state is BreakerState.OPEN
     now[0] = 20.0
-    breaker.on_dispatch()
-    breaker.record(True)
+    request(True)
     assert breaker.state is BreakerState.HALF_OPEN and breaker.admits()
-    breaker.on_dispatch()
-    breaker.record(True)
+    request(True)
+    assert breaker.state is BreakerState.CLOSED
+
+
+def test_only_the_probe_speaks_for_a_half_open_breaker() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker(BreakerSpec(failure_threshold=1, success_threshold=1, open_s=10), clock=lambda: now[0])
+    old = [breaker.on_dispatch() for _ in range(3)]  # dispatched while closed, still running
+    breaker.record(False, old[0])
+    assert breaker.state is BreakerState.OPEN
+    breaker.record(True, old[1])  # an older request's success says nothing about the engine now
+    assert breaker.state is BreakerState.OPEN
+    now[0] = 10.0
+    probe = breaker.on_dispatch()
+    breaker.release(old[2])  # an older request ending does not free the probe's slot
+    assert not breaker.admits()
+    breaker.record(True, probe)
     assert breaker.state is BreakerState.CLOSED
 
 
 def test_a_worker_whose_breaker_is_open_leaves_rotation_and_says_why() -> None:
     (worker,) = workers(1, breaker=BreakerSpec(failure_threshold=2, open_s=60))
-    worker.record_outcome(False)
+    with worker.load() as ticket:
+        worker.record_outcome(False, ticket)
     assert worker.usable
-    worker.record_outcome(False)
+    with worker.load() as ticket:
+        worker.record_outcome(False, ticket)
     assert not worker.usable and worker.out_of_rotation_reason == "circuit breaker open"
 
 
@@ -179,3 +202,60 @@ def test_excluded_workers_are_not_picked_again() -> None:
         lease.release()
     with pytest.raises(NoWorkerAvailable, match="tried already"):
         pool.pick_pair(exclude=set(pool.decode))
+
+
+def test_a_request_arriving_while_others_wait_queues_behind_them() -> None:
+    async def run() -> None:
+        pool = _pool(PoolLimits(max_inflight_per_worker=1, max_queue=4, queue_timeout_s=0.5))
+        held = pool.pick_pair()
+        queued = asyncio.ensure_future(pool.acquire_pair())
+        await asyncio.sleep(0.01)
+        held.release()  # the freed slot is the queued request's
+        newcomer = asyncio.ensure_future(pool.acquire_pair())
+        first = await asyncio.wait_for(queued, 1)
+        assert not newcomer.done()
+        first.release()
+        (await asyncio.wait_for(newcomer, 1)).release()
+
+    asyncio.run(run())
+
+
+def test_new_capacity_wakes_as_many_waiters_as_it_can_serve() -> None:
+    async def run() -> None:
+        pool = _pool(PoolLimits(max_inflight_per_worker=1, max_queue=8, queue_timeout_s=2))
+        held = pool.pick_pair()
+        waiting = [asyncio.ensure_future(pool.acquire_pair()) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        pool.reconfigure(limits=PoolLimits(max_inflight_per_worker=10, max_queue=8, queue_timeout_s=2),
+                         breaker=BreakerSpec(), prefill_policy=RoundRobin(), decode_policy=RoundRobin())
+        leases = await asyncio.wait_for(asyncio.gather(*waiting), 1)  # all three, without any release
+        for lease in [held, *leases]:
+            lease.release()
+        assert pool.waiting == 0 and all(w.in_flight == 0 for w in pool.workers)
+
+    asyncio.run(run())
+
+
+def test_a_woken_request_that_gives_up_passes_its_turn_on() -> None:
+    async def run() -> None:
+        pool = _pool(PoolLimits(max_inflight_per_worker=1, max_queue=4, queue_timeout_s=2))
+        held = pool.pick_pair()
+        first, second = (asyncio.ensure_future(pool.acquire_pair()) for _ in range(2))
+        await asyncio.sleep(0.01)
+        held.release()
+        first.cancel()  # its client left just after it was woken
+        (await asyncio.wait_for(second, 1)).release()
+
+    asyncio.run(run())
+
+
+def test_a_role_with_no_worker_at_all_answers_at_once_even_while_the_other_is_full() -> None:
+    async def run() -> None:
+        pool = _pool(PoolLimits(max_inflight_per_worker=1, max_queue=4, queue_timeout_s=5))
+        held = pool.pick_pair()
+        pool.decode[0].refuse("gone")
+        with pytest.raises(NoWorkerAvailable, match="no usable decode worker"):
+            await asyncio.wait_for(pool.acquire_pair(), 1)
+        held.release()
+
+    asyncio.run(run())
