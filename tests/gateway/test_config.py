@@ -37,12 +37,6 @@ def test_max_prompt_tokens_lowers_the_configured_limit(tmp_path: Path) -> None:
     assert config.models[0].configured_prompt_limit == 4000
 
 
-@pytest.mark.parametrize(("replacement", "key", "reason"), [
-    ("context_length: 8192", "models.0.context_length", "integer"),
-    ("decode: [{url: \"http://127.0.0.1:30001\"}]", "models.0.decode", "at least 1"),
-    ("on_pool_mismatch", "models.0.on_pool_mismatch", "refuse"),
-    ("url: \"http://127.0.0.1:30000\"", "models.0.prefill.0.url", "http(s) URL"),
-])
 @pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:0", "http://127.0.0.1:30000/v1",
                                  "http://user:pw@127.0.0.1:30000"])
 def test_a_worker_url_that_cannot_be_connected_to_as_given_is_refused(tmp_path: Path, url: str) -> None:
@@ -50,6 +44,12 @@ def test_a_worker_url_that_cannot_be_connected_to_as_given_is_refused(tmp_path: 
         load_config(_write(tmp_path, MODEL.replace("http://127.0.0.1:30000", url)))
 
 
+@pytest.mark.parametrize(("replacement", "key", "reason"), [
+    ("context_length: 8192", "models.0.context_length", "integer"),
+    ("decode: [{url: \"http://127.0.0.1:30001\"}]", "models.0.decode", "at least 1"),
+    ("on_pool_mismatch", "models.0.on_pool_mismatch", "refuse"),
+    ("url: \"http://127.0.0.1:30000\"", "models.0.prefill.0.url", "http(s) URL"),
+])
 def test_bad_value_names_key_and_reason(tmp_path: Path, replacement: str, key: str, reason: str) -> None:
     broken = {
         "context_length: 8192": "context_length: lots",
