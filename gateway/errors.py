@@ -26,10 +26,11 @@ class GatewayError(Exception):
         self.type = type or _default_type(status)
         self.code = code
         self.param = param
+        self.model: str | None = None  # the served model it concerns, once known (for metrics; never sent)
 
     def __reduce__(self) -> tuple[object, ...]:
         # Picklable (it crosses from the admission worker process): rebuilt from its fields, not from `args`.
-        return (_rebuild, (type(self), self.status, self.message, self.type, self.code, self.param))
+        return (_rebuild, (type(self), self.status, self.message, self.type, self.code, self.param, self.model))
 
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -43,9 +44,10 @@ class GatewayError(Exception):
 
 
 def _rebuild(cls: type[GatewayError], status: int, message: str, type: str, code: str | None,
-             param: str | None) -> GatewayError:
+             param: str | None, model: str | None = None) -> GatewayError:
     error = Exception.__new__(cls)
     GatewayError.__init__(error, status, message, type=type, code=code, param=param)
+    error.model = model
     return error
 
 

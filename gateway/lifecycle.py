@@ -230,6 +230,14 @@ class PDExchange:
         self.mismatch: PromptMismatch | None = None
         self.client_gone = False
         self.first_token_at: float | None = None
+        # What happened when (monotonic seconds), for metrics, traces and the access log.
+        self.started_at = time.monotonic()
+        self.finished_at: float | None = None
+        self.client_gone_at: float | None = None
+        self.prefill_settled_at: float | None = None
+        self.decode_closed_at: float | None = None
+        self.output_events = 0  # decode events relayed or held (about one per output token when streaming)
+        self.aborts: list[tuple[str, bool]] = []  # (role, acknowledged) for every /abort_request sent
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.prompt_tokens = self._count_for(pair.prefill)
         self._release_verified = release == "verified"
@@ -257,6 +265,7 @@ class PDExchange:
 
     # ── dispatch ────────────────────────────────────────────────────────────────────────────────────────────
     def start(self) -> None:
+        self.started_at = time.monotonic()
         self._registry.running.add(self)
         self._dispatch_task = self._spawn(self._dispatch())
         loop, timeouts = asyncio.get_running_loop(), self.timeouts
@@ -395,6 +404,7 @@ class PDExchange:
         if self._watchdog is not None:
             self._watchdog.stop()
         self._lease.release()
+        self.finished_at = time.monotonic()
         self._rooms.release(self.room)
         self._registry.running.discard(self)
         self.closed.set_result(None)
@@ -402,6 +412,13 @@ class PDExchange:
             self._on_closed(self)
 
     # ── outcomes ────────────────────────────────────────────────────────────────────────────────────────────
+    @property
+    def outcome(self) -> str:
+        """How it ended: ok, client_gone, or the failure's code (decode_failed, prompt_token_mismatch, …)."""
+        if self.failure is not None:
+            return self.failure.error.code or f"http_{self.failure.error.status}"
+        return "client_gone" if self.client_gone else "ok"
+
     def fail(self, error: GatewayError) -> None:
         """The first failure wins: the relay hears of it, and both halves are cancelled in the safe order."""
         if self.failure is not None:
@@ -416,6 +433,7 @@ class PDExchange:
         if self.client_gone:
             return
         self.client_gone = True
+        self.client_gone_at = time.monotonic()
         self.events.put_nowait(ClientGone())
         self._maybe_let_go()
 
@@ -475,11 +493,11 @@ class PDExchange:
             return
         if not self._prefill_settled.is_set():
             await _stop(self._prefill_task)
-            await self.engines.abort(prefill.url, self.rid)
-            self._prefill_settled.set()
+            await self._abort(prefill)
+            self._settle_prefill()
         await _stop(self._decode_task)
         if not self._decode_finished:
-            await self.engines.abort(decode.url, self.rid)
+            await self._abort(decode)
 
     # ── release ─────────────────────────────────────────────────────────────────────────────────────────────
     def _emit(self, payload: bytes) -> None:
@@ -522,7 +540,7 @@ class PDExchange:
         try:
             response = await link.generate(self.admitted.route, body)
             payload = await response.body()
-            self._prefill_settled.set()
+            self._settle_prefill()
             result = _parse_result("prefill", payload)
             self._verify_count("prefill", worker, _reported_prompt_tokens(self.admitted.route, result), expected)
             self._prefill_ok = True
@@ -533,7 +551,7 @@ class PDExchange:
             self._judge(worker, EngineBroken("prefill", str(exc)))
             self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
         except EngineRejected as error:
-            self._prefill_settled.set()  # it answered
+            self._settle_prefill()  # it answered
             self._fail_leg(self._prefill_blame(error), error)
         except EngineError as error:
             self._fail_leg(self._prefill_blame(error), error)
@@ -599,6 +617,7 @@ class PDExchange:
                 self._watchdog.stop()
             if response is not None:
                 response.close()
+            self.decode_closed_at = time.monotonic()
             if self.client_gone and self.failure is None and not self._decode_finished:
                 self._spawn(self._abort(worker))
 
@@ -610,10 +629,16 @@ class PDExchange:
         if match is not None:
             self._verify_count("decode", worker, int(match[1]), expected)
             self._decode_counted = True
+        self.output_events += 1
         self._emit(data)
 
     async def _abort(self, worker: Worker) -> None:
-        await self.engines.abort(worker.url, self.rid)
+        self.aborts.append((worker.role, await self.engines.abort(worker.url, self.rid)))
+
+    def _settle_prefill(self) -> None:
+        if not self._prefill_settled.is_set():
+            self.prefill_settled_at = time.monotonic()
+            self._prefill_settled.set()
 
 
 class PromptCountMismatch(Exception):

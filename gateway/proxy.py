@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import time
 from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
@@ -19,6 +20,7 @@ from gateway.assemble import assembler_for
 from gateway.body import RequestBody
 from gateway.errors import GatewayError
 from gateway.lifecycle import ClientGone, Done, Failure, PDExchange
+from gateway.telemetry.record import RequestRecord
 from routing.pools import NoWorkerAvailable, PoolSaturated
 
 if TYPE_CHECKING:
@@ -83,32 +85,31 @@ class GenerateEndpoint:
         self.gateway = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        status = 0
+        record = RequestRecord(self.route)
 
         async def observed(message: Message) -> None:
-            nonlocal status
             if message["type"] == "http.response.start":
-                status = message["status"]
+                record.status = message["status"]
             await send(message)
 
         try:
-            await self._serve(scope, receive, observed)
+            await self._serve(scope, receive, observed, record)
         finally:
-            # 499: the client left before any answer (nginx's convention).
-            self.gateway.metrics.requests.labels(self.route, str(status or 499)).inc()
+            self.gateway.observe_request(record)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, record: RequestRecord) -> None:
         if scope["method"] != "POST":
             await send_error(send, GatewayError(405, f"{self.route} accepts POST only"))
             return
         if self.gateway.shutting_down:
-            await send_error(send, GatewayError(503, "the gateway is shutting down", code="shutting_down"),
-                             [*_CLOSE, (b"retry-after", b"1")])
+            await self._refuse(send, record, GatewayError(503, "the gateway is shutting down", code="shutting_down"),
+                               [*_CLOSE, (b"retry-after", b"1")])
             return
         with RequestBody() as body:
-            exchange = await self._admit(scope, receive, send, body)
+            exchange = await self._admit(scope, receive, send, body, record)
         if exchange is None:
             return
+        record.exchange = exchange
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, exchange))
         try:
             if exchange.admitted.stream:
@@ -118,38 +119,51 @@ class GenerateEndpoint:
         finally:
             watcher.cancel()
 
-    async def _admit(self, scope: Scope, receive: Receive, send: Send, body: RequestBody) -> PDExchange | None:
+    async def _admit(self, scope: Scope, receive: Receive, send: Send, body: RequestBody,
+                     record: RequestRecord) -> PDExchange | None:
         """Read, count and check the request, and dispatch it; or answer the error and return None."""
         gateway = self.gateway
         try:
             async with asyncio.timeout(gateway.config.timeouts.client_body_s):
                 await read_body(scope, receive, body, gateway.config.max_body_bytes)
         except TimeoutError:
-            await send_error(send, GatewayError(408, "the request body did not arrive within "
-                                                f"{gateway.config.timeouts.client_body_s:g}s",
-                                                code="request_timeout"), _CLOSE)
+            await self._refuse(send, record, GatewayError(
+                408, f"the request body did not arrive within {gateway.config.timeouts.client_body_s:g}s",
+                code="request_timeout"), _CLOSE)
             return None
         except BodyTooLarge as error:
-            await send_error(send, error, _CLOSE)
+            await self._refuse(send, record, error, _CLOSE)
             return None
         except ConnectionAbortedError:
             return None
         try:
+            started = time.perf_counter()
             model, admitted = await gateway.admit(self.route, body, tenant=tenant_of(scope))
+            record.model = model.name
+            record.admitted = admitted
+            record.admission_s = time.perf_counter() - started
             key = model.route_key(admitted, scope["headers"])
+            started = time.perf_counter()
             lease = await model.pool.acquire_pair(key)
+            record.queue_s = time.perf_counter() - started
         except NoWorkerAvailable as exc:
-            await send_error(send, GatewayError(503, str(exc), code="no_worker_available"))
+            await self._refuse(send, record, GatewayError(503, str(exc), code="no_worker_available"))
             return None
         except PoolSaturated as exc:
-            gateway.metrics.overloaded.labels(model.name).inc()
-            await send_error(send, GatewayError(503, str(exc), code="overloaded"),
-                             [(b"retry-after", str(exc.retry_after_s).encode())])
+            await self._refuse(send, record, GatewayError(503, str(exc), code="overloaded"),
+                               [(b"retry-after", str(exc.retry_after_s).encode())])
             return None
         except GatewayError as error:
-            await send_error(send, error)
+            await self._refuse(send, record, error)
             return None
         return gateway.dispatch(model, lease, admitted, key)
+
+    @staticmethod
+    async def _refuse(send: Send, record: RequestRecord, error: GatewayError,
+                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Answer an error before any engine saw the request."""
+        record.refused = error
+        await send_error(send, error, headers)
 
 
 def _count_header(exchange: PDExchange) -> list[tuple[bytes, bytes]]:

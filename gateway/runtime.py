@@ -18,7 +18,10 @@ from gateway.body import RequestBody
 from gateway.config import GatewayConfig, HealthConfig, ModelConfig
 from gateway.lifecycle import ExchangeRegistry, PDExchange, Retries, RoomAllocator
 from gateway.preflight import describe_refusal
+from gateway.telemetry.loop_lag import LoopLagProbe
 from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.observe import observe_exchange, observe_request
+from gateway.telemetry.record import RequestRecord
 from routing.breaker import BreakerSpec
 from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
@@ -139,6 +142,7 @@ class Gateway:
         self.judgements: dict[str, ModelJudgement] = {}
         self.refusal: str | None = None  # why startup refused to serve, as printed for the operator
         self.shutting_down = False
+        self.loop_lag = LoopLagProbe(self.metrics.loop_lag)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -151,6 +155,8 @@ class Gateway:
         timeouts = self.config.timeouts
         self.engines = EngineClient(connect_timeout_s=timeouts.connect_s, verify_timeout_s=self.config.health.timeout_s,
                                     abort_timeout_s=timeouts.abort_s)
+        self.metrics.watch_workers(
+            lambda: [(m.name, w) for m in self.models.values() for w in m.pool.workers])
         self.metrics.watch_token_caches(
             lambda: [(m.name, m.admission.counter.cache_stats) for m in self.models.values()])
         sources = dns_sources(self.config)
@@ -170,6 +176,7 @@ class Gateway:
             self.refusal = str(error)
             raise error
         self.monitor.start()
+        self.loop_lag.start()
         for model in self.models.values():
             await self._poll_loads(model)
         if resolver is not None:
@@ -203,6 +210,7 @@ class Gateway:
             log.warning("shutdown grace of %gs over: %d request(s) cancelled on both halves", grace_s, cancelled)
 
     async def stop(self) -> None:
+        await self.loop_lag.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         for poller in self.load_pollers.values():
@@ -304,11 +312,12 @@ class Gateway:
                 problems[model.name] = "no usable prefill and decode pair"
         return not problems, problems
 
+    def observe_request(self, record: RequestRecord) -> None:
+        served = self.models.get(record.model)
+        observe_request(self.metrics, record, limit=served.admission.limits.prompt_tokens if served else None)
+
     def _exchange_closed(self, exchange: PDExchange) -> None:
-        if exchange.retries_made:
-            self.metrics.retries.labels(exchange.admitted.model).inc(exchange.retries_made)
-        if exchange.mismatch is not None:
-            self.metrics.prompt_mismatches.labels(exchange.admitted.model, exchange.mismatch.role).inc()
+        observe_exchange(self.metrics, exchange)
 
     def _apply_judgement(self, judgement: ModelJudgement, startup: bool) -> None:
         """Follow a judgement (its verdicts are already applied to the workers) before the next request is admitted:
@@ -366,6 +375,8 @@ class Gateway:
         metrics.model_effective_limit.labels(model.name).set(model.admission.limits.prompt_tokens)
         metrics.model_clamped.labels(model.name).set(1 if judgement.verdict == "clamp" else 0)
         metrics.model_available.labels(model.name).set(0 if model.unavailable else 1)
+        for verdict in ("pass", "warn", "clamp", "refuse"):
+            metrics.gate_verdict.labels(model.name, verdict).set(1 if judgement.verdict == verdict else 0)
 
 
 def _why(judgement: ModelJudgement) -> str:

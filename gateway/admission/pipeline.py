@@ -42,12 +42,16 @@ async def admit_body(route: Route, raw: bytes, *, tenant: str,
     # Above a few KiB, reducing, rendering and checking move to a thread: pure-Python work there lets the loop run
     # at every GIL hand-over, and no body small enough to stay in this process holds the GIL long in one call.
     off_loop = len(raw) > OFF_LOOP_BYTES
-    if off_loop:
-        request = await asyncio.get_running_loop().run_in_executor(None, parse_request, route, data,
-                                                                   model.chat_settings)
-    else:
-        request = parse_request(route, data, model.chat_settings)
-    return await model.admission.admit(request, tenant=tenant, dialects=model.dialects(), off_loop=off_loop)
+    try:
+        if off_loop:
+            request = await asyncio.get_running_loop().run_in_executor(None, parse_request, route, data,
+                                                                       model.chat_settings)
+        else:
+            request = parse_request(route, data, model.chat_settings)
+        return await model.admission.admit(request, tenant=tenant, dialects=model.dialects(), off_loop=off_loop)
+    except GatewayError as error:
+        error.model = model.admission.model
+        raise
 
 
 def resolve_model(name: str | None, models: Mapping[str, M], unavailable: Callable[[M], str | None]) -> M:

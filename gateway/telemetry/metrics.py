@@ -1,22 +1,81 @@
-"""Prometheus metrics, in a registry of the gateway's own (several gateways can live in one test process)."""
+"""Prometheus metrics, one or more per promise, in a registry of the gateway's own (several gateways can live in one
+test process). Label values are bounded: configured model names (or "" before a model is known), routes, roles,
+statuses, reason and cause codes, and the configured worker URLs — never request or tenant ids."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.admission.count_cache import CacheStats
+from routing.workers import Worker
+
+_TOKENS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+_RATIO = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_FAST_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+_BREAKER_STATES = ("closed", "half_open", "open")
+
+# Why a request was answered before any engine saw it, from its status and code.
+_REJECTION_REASONS = {
+    "context_length_exceeded": "over_limit", "body_too_large": "body_too_large", "request_timeout": "body_timeout",
+    "model_not_found": "unknown_model", "overloaded": "overloaded", "no_worker_available": "unavailable",
+    "model_unavailable": "unavailable", "shutting_down": "shutting_down", "rate_limited": "rate_limited",
+}
+
+
+def rejection_reason(status: int, code: str | None) -> str:
+    if code in _REJECTION_REASONS:
+        return _REJECTION_REASONS[code]
+    if status == 404:
+        return "unknown_model"
+    return "bad_input" if 400 <= status < 500 else "other"
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvgate_requests", "Client requests answered, by route and status",
-                                ["route", "status"], registry=r)
+        # ── requests and admission ──────────────────────────────────────────────────────────────────────────
+        self.requests = Counter("kvgate_requests", "Client requests answered, by model, route and status (499: the "
+                                "client left before any answer)", ["model", "route", "status"], registry=r)
+        self.rejections = Counter("kvgate_admission_rejections", "Requests answered before any engine saw them, by "
+                                  "reason", ["model", "reason"], registry=r)
+        self.prompt_tokens = Histogram("kvgate_prompt_tokens", "Prompt tokens of admitted requests (the gateway's "
+                                       "count)", ["model"], buckets=_TOKENS, registry=r)
+        self.limit_ratio = Histogram("kvgate_prompt_limit_ratio", "Admitted prompt tokens / the model's effective "
+                                     "limit: a cluster near 1 is a workload pressing on the limit", ["model"],
+                                     buckets=_RATIO, registry=r)
+        self.admission_seconds = Histogram("kvgate_admission_seconds", "Parsing, rendering and counting one request "
+                                           "(reading its body excluded)", ["model"], buckets=_FAST_SECONDS,
+                                           registry=r)
+        self.queue_seconds = Histogram("kvgate_queue_wait_seconds", "Waiting for a worker with room", ["model"],
+                                       buckets=_SECONDS, registry=r)
+        # ── the exchange ────────────────────────────────────────────────────────────────────────────────────
+        self.ttft = Histogram("kvgate_time_to_first_token_seconds", "Dispatch to decode's first token", ["model"],
+                              buckets=_SECONDS, registry=r)
+        self.duration = Histogram("kvgate_request_duration_seconds", "Dispatch to the exchange's end, by outcome",
+                                  ["model", "outcome"], buckets=_SECONDS, registry=r)
+        self.inter_token = Histogram("kvgate_inter_token_seconds", "Mean time between decode events of a request",
+                                     ["model"], buckets=_FAST_SECONDS, registry=r)
+        self.cancellations = Counter("kvgate_cancellations", "Exchanges cancelled on both halves, by cause (the "
+                                     "failure's code, or client_gone)", ["model", "cause"], registry=r)
+        self.held_after_disconnect = Counter("kvgate_held_after_disconnect", "Requests whose client left while a "
+                                             "half was still held (to prefill's end / decode's first token)",
+                                             ["model"], registry=r)
+        self.held_seconds = Histogram("kvgate_held_after_disconnect_seconds", "How long a half was held after its "
+                                      "client left", ["role"], buckets=_SECONDS, registry=r)
+        self.aborts = Counter("kvgate_aborts", "/abort_request calls sent, by role and whether the engine "
+                              "acknowledged", ["role", "acknowledged"], registry=r)
+        self.prompt_mismatches = Counter(
+            "kvgate_prompt_token_mismatches", "Engine prompt counts that differed from the gateway's, caught before "
+            "any output was released", ["model", "role"], registry=r)
+        self.retries = Counter("kvgate_retries", "Requests moved to another pair before anything reached an engine",
+                               ["model"], registry=r)
+        # ── the KV-pool gate and the workers ────────────────────────────────────────────────────────────────
         self.worker_pool_tokens = Gauge("kvgate_worker_kv_pool_tokens", "KV pool size an engine reports",
                                         ["model", "worker", "role"], registry=r)
         self.worker_max_req_input_len = Gauge("kvgate_worker_max_req_input_len",
@@ -33,18 +92,18 @@ class GatewayMetrics:
         self.model_clamped = Gauge("kvgate_model_limit_clamped", "1 while the limit is clamped below configuration",
                                    ["model"], registry=r)
         self.model_available = Gauge("kvgate_model_available", "1 while the model is served", ["model"], registry=r)
-        self.prompt_mismatches = Counter(
-            "kvgate_prompt_token_mismatches", "Engine prompt counts that differed from the gateway's, caught before "
-            "any output was released", ["model", "role"], registry=r)
-        self.retries = Counter("kvgate_retries", "Requests moved to another pair before anything reached an engine",
-                               ["model"], registry=r)
-        self.overloaded = Counter("kvgate_overloaded", "Requests refused with 503 and Retry-After: every worker full "
-                                  "and the wait queue full or timed out", ["model"], registry=r)
+        self.gate_verdict = Gauge("kvgate_gate_verdict", "1 for the KV-pool gate's latest verdict on the model "
+                                  "(pass, warn, clamp, refuse)", ["model", "verdict"], registry=r)
         self.limit_clamps = Counter("kvgate_startup_limit_clamped", "Times a model's limit was clamped to its pools",
                                     ["model"], registry=r)
+        self.loop_lag = Histogram("kvgate_event_loop_lag_seconds", "How late a timer on the event loop fires",
+                                  buckets=_FAST_SECONDS, registry=r)
 
     def watch_token_caches(self, stats: Callable[[], Iterable[tuple[str, CacheStats]]]) -> None:
         self.registry.register(_TokenCacheCollector(stats))
+
+    def watch_workers(self, workers: Callable[[], Iterable[tuple[str, Worker]]]) -> None:
+        self.registry.register(_WorkerCollector(workers))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -63,3 +122,29 @@ class _TokenCacheCollector(Collector):
             misses.add_metric([model], stats.misses)
             size.add_metric([model], stats.bytes)
         yield from (hits, misses, size)
+
+
+class _WorkerCollector(Collector):
+    """Each worker's live state, read at scrape time from the workers themselves (no second copy to keep in step)."""
+
+    def __init__(self, workers: Callable[[], Iterable[tuple[str, Worker]]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        labels = ["model", "worker", "role"]
+        in_flight = GaugeMetricFamily("kvgate_worker_in_flight", "Requests in flight on the worker through this "
+                                      "gateway", labels=labels)
+        healthy = GaugeMetricFamily("kvgate_worker_healthy", "1 while the worker's health checks pass",
+                                    labels=labels)
+        in_rotation = GaugeMetricFamily("kvgate_worker_in_rotation", "1 while the worker may get new requests",
+                                        labels=labels)
+        breaker = GaugeMetricFamily("kvgate_worker_breaker_state", "1 for the circuit breaker's current state",
+                                    labels=[*labels, "state"])
+        for model, worker in self._workers():
+            key = [model, worker.url, worker.role]
+            in_flight.add_metric(key, worker.in_flight)
+            healthy.add_metric(key, 1 if worker.healthy else 0)
+            in_rotation.add_metric(key, 1 if worker.usable else 0)
+            for state in _BREAKER_STATES:
+                breaker.add_metric([*key, state], 1 if worker.breaker_state.value == state else 0)
+        yield from (in_flight, healthy, in_rotation, breaker)

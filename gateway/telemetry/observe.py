@@ -1,0 +1,77 @@
+"""Turning what happened to a request into metrics and its access-log line (traces: gateway.telemetry.tracing)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from gateway.telemetry.metrics import GatewayMetrics, rejection_reason
+from gateway.telemetry.record import RequestRecord
+
+if TYPE_CHECKING:
+    from gateway.lifecycle import PDExchange
+
+access_log = logging.getLogger("kvgate.access")
+
+
+def observe_request(metrics: GatewayMetrics, record: RequestRecord, *, limit: int | None) -> None:
+    """At the end of a client request (its exchange may still be finishing: see observe_exchange)."""
+    refused = record.refused
+    model = record.model or (refused.model if refused is not None and refused.model else "")
+    status = record.status or 499  # nginx's convention: the client left before any answer
+    metrics.requests.labels(model, record.route, str(status)).inc()
+    if refused is not None:
+        metrics.rejections.labels(model, rejection_reason(refused.status, refused.code)).inc()
+    if record.admission_s is not None:
+        metrics.admission_seconds.labels(model).observe(record.admission_s)
+    if record.queue_s is not None:
+        metrics.queue_seconds.labels(model).observe(record.queue_s)
+    exchange = record.exchange
+    if exchange is not None:
+        metrics.prompt_tokens.labels(model).observe(exchange.prompt_tokens)
+        if limit:
+            metrics.limit_ratio.labels(model).observe(exchange.prompt_tokens / limit)
+    access_log.info("request", extra={"access": _access_fields(record, model, status)})
+
+
+def observe_exchange(metrics: GatewayMetrics, exchange: PDExchange) -> None:
+    """When both halves are closed and every abort answered."""
+    model = exchange.admitted.model
+    end = exchange.finished_at or exchange.started_at
+    outcome = exchange.outcome
+    metrics.duration.labels(model, outcome).observe(end - exchange.started_at)
+    if exchange.first_token_at is not None:
+        metrics.ttft.labels(model).observe(exchange.first_token_at - exchange.started_at)
+        last = exchange.decode_closed_at or end
+        if exchange.output_events > 1:
+            metrics.inter_token.labels(model).observe((last - exchange.first_token_at) / (exchange.output_events - 1))
+    if outcome != "ok":
+        metrics.cancellations.labels(model, outcome).inc()
+    gone = exchange.client_gone_at
+    if gone is not None:
+        prefill_held = max(0.0, (exchange.prefill_settled_at or end) - gone)
+        decode_held = max(0.0, (exchange.decode_closed_at or end) - gone)
+        if prefill_held > 0 or decode_held > 0:
+            metrics.held_after_disconnect.labels(model).inc()
+            metrics.held_seconds.labels("prefill").observe(prefill_held)
+            metrics.held_seconds.labels("decode").observe(decode_held)
+    for role, acknowledged in exchange.aborts:
+        metrics.aborts.labels(role, "true" if acknowledged else "false").inc()
+    if exchange.retries_made:
+        metrics.retries.labels(model).inc(exchange.retries_made)
+    if exchange.mismatch is not None:
+        metrics.prompt_mismatches.labels(model, exchange.mismatch.role).inc()
+
+
+def _access_fields(record: RequestRecord, model: str, status: int) -> dict[str, object]:
+    exchange = record.exchange
+    fields: dict[str, object] = {"request_id": record.request_id, "route": record.route, "model": model,
+                                 "status": status}
+    if record.refused is not None:
+        fields["error_code"] = record.refused.code
+    if exchange is not None:
+        fields.update(rid=exchange.rid, prompt_tokens=exchange.prompt_tokens, prefill=exchange.pair.prefill.url,
+                      decode=exchange.pair.decode.url, outcome=exchange.outcome, retries=exchange.retries_made)
+        if exchange.first_token_at is not None:
+            fields["ttft_ms"] = round((exchange.first_token_at - exchange.started_at) * 1000, 1)
+    return fields

@@ -1,0 +1,29 @@
+"""What one client request was and how it went: filled in along its path by the proxy, read at its end by metrics,
+traces and the access log. Never holds prompt text."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from gateway.admission.admit import AdmittedRequest
+    from gateway.lifecycle import PDExchange
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    route: str
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started_at: float = field(default_factory=time.monotonic)
+    model: str = ""  # a configured model's name, once known
+    status: int = 0  # 0 until a response started (499 in metrics: the client left first)
+    admitted: AdmittedRequest | None = None
+    admission_s: float | None = None
+    queue_s: float | None = None
+    refused: GatewayError | None = None  # answered before any engine saw it
+    exchange: PDExchange | None = None
