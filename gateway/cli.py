@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from gateway.config import ConfigError, load_config
+from gateway.telemetry.logs import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,12 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="start an emulated prefill/decode pair and the gateway in front of it")
     demo.add_argument("--config", default=None, help="gateway YAML (default: config/demo.yaml)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = getattr(args, "log_level", "info")
+    configure_logging(level)
     try:
         if args.command == "serve":
             from gateway.server import serve
-            return serve(load_config(args.config), log_level=args.log_level, config_path=args.config)
+            config = load_config(args.config)
+            configure_logging(level, config.logging.format, access_log=config.logging.access_log)
+            return serve(config, log_level=args.log_level, config_path=args.config)
         if args.command == "preflight":
             from gateway.preflight import run_preflight
             return run_preflight(load_config(args.config), as_json=args.json)

@@ -238,6 +238,22 @@ class DiscoveryConfig(_Strict):
                                                                       "(empty: the system's resolv.conf)")
 
 
+class LoggingConfig(_Strict):
+    format: Literal["text", "json"] = Field("text", description="json: one object per line")
+    access_log: bool = Field(True, description="one line per client request (kvgate.access)")
+
+
+class TracingConfig(_Strict):
+    """OpenTelemetry traces: one span per request, children for admission, routing, prefill and decode."""
+
+    enabled: bool = False
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/"
+                                                        "traces (null: spans are made but not exported)")
+    service_name: str = "kvgate"
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="of traces this gateway starts; a client's sampled "
+                                                             "traceparent is followed")
+
+
 class ShutdownConfig(_Strict):
     grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may take to finish")
 
@@ -250,6 +266,8 @@ class GatewayConfig(_Strict):
     shutdown: ShutdownConfig = ShutdownConfig()
     admin: AdminConfig = AdminConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    logging: LoggingConfig = LoggingConfig()
+    tracing: TracingConfig = TracingConfig()
     max_body_bytes: int = Field(64 * 2**20, gt=0)
     max_header_bytes: int = Field(64 * 1024, gt=0, description="request line plus all headers")
     max_headers: int = Field(100, gt=0)

@@ -137,7 +137,8 @@ class EngineStream(Protocol):
 class EngineLink(Protocol):
     """A verified connection to one worker, reserved for one request."""
 
-    async def generate(self, path: str, body: Sequence[bytes | memoryview]) -> EngineStream: ...
+    async def generate(self, path: str, body: Sequence[bytes | memoryview],
+                       headers: tuple[tuple[bytes, bytes], ...] = ()) -> EngineStream: ...
     def release(self) -> None: ...
 
 
@@ -217,7 +218,8 @@ class PDExchange:
 
     def __init__(self, engines: Engines, lease: Lease, admitted: AdmittedRequest, *, timeouts: TimeoutsConfig,
                  release: Release, registry: ExchangeRegistry, rooms: RoomAllocator,
-                 on_closed: Callable[[PDExchange], None] | None = None, retries: Retries | None = None) -> None:
+                 on_closed: Callable[[PDExchange], None] | None = None, retries: Retries | None = None,
+                 engine_headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         self.engines = engines
         self._lease = lease
         self.pair = pair = lease.pair
@@ -252,6 +254,7 @@ class PDExchange:
         self._registry = registry
         self._on_closed = on_closed
         self._retries = retries
+        self._engine_headers = engine_headers  # e.g. the trace context, on both engine requests
         self._judged: set[tuple[Worker, bool]] = set()  # (worker, success) outcomes already reported
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatch_task: asyncio.Task[None] | None = None
@@ -538,7 +541,7 @@ class PDExchange:
         worker = self.pair.prefill
         response: EngineStream | None = None
         try:
-            response = await link.generate(self.admitted.route, body)
+            response = await link.generate(self.admitted.route, body, self._engine_headers)
             payload = await response.body()
             self._settle_prefill()
             result = _parse_result("prefill", payload)
@@ -568,7 +571,7 @@ class PDExchange:
         worker = self.pair.decode
         response: EngineStream | None = None
         try:
-            response = await link.generate(self.admitted.route, body)
+            response = await link.generate(self.admitted.route, body, self._engine_headers)
             async for data in response.events():
                 if self._watchdog is not None:
                     self._watchdog.touch()

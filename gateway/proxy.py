@@ -86,6 +86,7 @@ class GenerateEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         record = RequestRecord(self.route)
+        self.gateway.tracing.start_request(record, scope["headers"])
 
         async def observed(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -156,7 +157,7 @@ class GenerateEndpoint:
         except GatewayError as error:
             await self._refuse(send, record, error)
             return None
-        return gateway.dispatch(model, lease, admitted, key)
+        return gateway.dispatch(model, lease, admitted, key, traceparent=record.engine_traceparent)
 
     @staticmethod
     async def _refuse(send: Send, record: RequestRecord, error: GatewayError,

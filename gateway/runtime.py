@@ -22,6 +22,7 @@ from gateway.telemetry.loop_lag import LoopLagProbe
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.observe import observe_exchange, observe_request
 from gateway.telemetry.record import RequestRecord
+from gateway.telemetry.tracing import Tracing
 from routing.breaker import BreakerSpec
 from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
@@ -143,6 +144,7 @@ class Gateway:
         self.refusal: str | None = None  # why startup refused to serve, as printed for the operator
         self.shutting_down = False
         self.loop_lag = LoopLagProbe(self.metrics.loop_lag)
+        self.tracing = Tracing(config.tracing)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -222,6 +224,7 @@ class Gateway:
             await self.engines.close()
         if self.admission_workers is not None:
             self.admission_workers.close()
+        self.tracing.shutdown()
         for model in self.models.values():
             model.admission.counter.close()
 
@@ -283,7 +286,7 @@ class Gateway:
         return self.models[admitted.model], admitted
 
     def dispatch(self, model: ServedModel, lease: Lease, admitted: AdmittedRequest,
-                 key: RouteKey = NO_KEY) -> PDExchange:
+                 key: RouteKey = NO_KEY, *, traceparent: str | None = None) -> PDExchange:
         assert self.engines is not None
 
         def repick(tried: Collection[Worker]) -> Lease | None:
@@ -296,7 +299,8 @@ class Gateway:
         retries = Retries(model.config.routing.retries, repick, self.retry_budget)
         exchange = PDExchange(self.engines, lease, admitted, timeouts=self.config.timeouts,
                               release=model.config.release, registry=self.exchanges, rooms=self.rooms,
-                              on_closed=self._exchange_closed, retries=retries)
+                              on_closed=self._exchange_closed, retries=retries,
+                              engine_headers=((b"traceparent", traceparent.encode()),) if traceparent else ())
         exchange.start()
         return exchange
 
@@ -313,8 +317,15 @@ class Gateway:
         return not problems, problems
 
     def observe_request(self, record: RequestRecord) -> None:
+        """A client request is answered: metrics and its access line now; its trace once its exchange has closed."""
         served = self.models.get(record.model)
-        observe_request(self.metrics, record, limit=served.admission.limits.prompt_tokens if served else None)
+        limit = served.admission.limits.prompt_tokens if served else None
+        observe_request(self.metrics, record, limit=limit)
+        exchange = record.exchange
+        if exchange is not None and not exchange.closed.done():
+            exchange.closed.add_done_callback(lambda _: self.tracing.end_request(record, effective_limit=limit))
+        else:
+            self.tracing.end_request(record, effective_limit=limit)
 
     def _exchange_closed(self, exchange: PDExchange) -> None:
         observe_exchange(self.metrics, exchange)

@@ -149,8 +149,10 @@ def uvicorn_config(app: ASGIApp, config: GatewayConfig, *, log_level: str, loop:
     protocol = type("GatewayHttpProtocol", (GuardedHttpToolsProtocol,),
                     {"max_header_bytes": config.max_header_bytes, "max_headers": config.max_headers,
                      "head_timeout_s": config.timeouts.client_body_s, "max_connections": config.max_connections})
+    # log_config=None: uvicorn's loggers propagate to the root handler kvgate set up (text or JSON lines); the
+    # access log is kvgate's own (gateway.telemetry.observe), with the request's model, workers and outcome.
     return uvicorn.Config(app, host=config.listen.host, port=config.listen.port, log_level=log_level,
-                          access_log=False, loop=loop, http=protocol, lifespan="on",
+                          log_config=None, access_log=False, loop=loop, http=protocol, lifespan="on",
                           timeout_graceful_shutdown=5)
 
 

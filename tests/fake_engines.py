@@ -84,7 +84,8 @@ class FakeLink:
     def __init__(self, half: FakeHalf) -> None:
         self._half = half
 
-    async def generate(self, path: str, body: Sequence[bytes | memoryview]) -> FakeStream:
+    async def generate(self, path: str, body: Sequence[bytes | memoryview],
+                       headers: tuple[tuple[bytes, bytes], ...] = ()) -> FakeStream:
         return await self._half.generate(body)
 
     def release(self) -> None:

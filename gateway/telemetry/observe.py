@@ -67,6 +67,8 @@ def _access_fields(record: RequestRecord, model: str, status: int) -> dict[str, 
     exchange = record.exchange
     fields: dict[str, object] = {"request_id": record.request_id, "route": record.route, "model": model,
                                  "status": status}
+    if record.trace_id is not None:
+        fields["trace_id"] = record.trace_id
     if record.refused is not None:
         fields["error_code"] = record.refused.code
     if exchange is not None:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from gateway.errors import GatewayError
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from gateway.admission.admit import AdmittedRequest
     from gateway.lifecycle import PDExchange
 
@@ -27,3 +29,6 @@ class RequestRecord:
     queue_s: float | None = None
     refused: GatewayError | None = None  # answered before any engine saw it
     exchange: PDExchange | None = None
+    span: Span | None = None  # the request's trace span, when tracing
+    trace_id: str | None = None
+    engine_traceparent: str | None = None  # sent to both engines

@@ -15,7 +15,7 @@ ERROR = "error"
 class ReqRecord:
     __slots__ = ("rid", "role", "path", "stream", "bootstrap_room", "bootstrap_host", "bootstrap_port", "arrival",
                  "end", "outcome", "status", "error", "prompt_tokens", "completion_tokens", "transferred_tokens",
-                 "connection_closed", "fault", "first_token")
+                 "connection_closed", "fault", "first_token", "traceparent")
 
     def __init__(self, rid: str, role: str, path: str, stream: bool) -> None:
         self.rid = rid
@@ -36,6 +36,7 @@ class ReqRecord:
         self.connection_closed: float | None = None
         self.fault: str | None = None
         self.first_token: float | None = None  # when the first output token was produced (decode streams)
+        self.traceparent: str | None = None  # the W3C trace context the request came with
 
     def finish(self, outcome: str, status: int | None, error: str | None = None) -> None:
         if self.outcome is None:

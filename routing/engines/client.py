@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # workers know engine identities; the client only calls their
     from routing.workers import Worker
 
 _JSON = ((b"content-type", b"application/json"),)
+Headers = tuple[tuple[bytes, bytes], ...]
 _ERROR_BODY_LIMIT = 1 << 16
 
 
@@ -69,12 +70,13 @@ class EngineLink:
         self._connection = connection
         self._used = False
 
-    async def generate(self, path: str, body: Body) -> EngineResponse:
-        """Send a generate request (its JSON body in parts); returns once a 2xx status is in."""
+    async def generate(self, path: str, body: Body, headers: Headers = ()) -> EngineResponse:
+        """Send a generate request (its JSON body in parts, `headers` beside content-type); returns once a 2xx
+        status is in."""
         role: Role = self.worker.role
         self._used = True
         try:
-            response = await self._pool.send_on(self._connection, b"POST", path, body, _JSON)
+            response = await self._pool.send_on(self._connection, b"POST", path, body, (*_JSON, *headers))
         except HttpError as exc:
             raise EngineBroken(role, f"{role} worker {self.worker.url} connection broke: {exc}") from exc
         if response.status >= 300:

@@ -4,6 +4,7 @@ failure) the scraped /metrics shows the exact count of each, and promtool accept
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.telemetry.logs import JsonLines
 from loadtests.engine.harness import EnginePair
 from tests.engine_records import inject, reset, wait_for
 from tests.gateway_harness import model_entry, running_gateway, write_config
@@ -83,3 +85,33 @@ def test_a_scripted_mix_shows_exact_counts(glm_pair: EnginePair, tmp_path: Path)
             pytest.skip("promtool not installed (Debian package prometheus): exposition format not checked")
         checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_access_log_is_one_json_line_per_request_without_prompt_text(glm_pair: EnginePair, tmp_path: Path) -> None:
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Collect()
+    handler.setFormatter(JsonLines())
+    access = logging.getLogger("kvgate.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    secret = "the launch code is swordfish " * 60
+    try:
+        config = write_config(tmp_path, [model_entry("glm-5", [glm_pair.prefill], [glm_pair.decode],
+                                                     max_prompt_tokens=200)])
+        with running_gateway(config) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
+            assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+            too_long = {**CHAT, "messages": [{"role": "user", "content": secret}]}
+            assert client.post("/v1/chat/completions", json=too_long).status_code == 413
+    finally:
+        access.removeHandler(handler)
+    entries = [json.loads(line) for line in lines]
+    assert [(e["status"], e["model"]) for e in entries] == [(200, "glm-5"), (413, "glm-5")]
+    ok, refused = entries
+    assert ok["outcome"] == "ok" and ok["prompt_tokens"] > 0 and ok["decode"] == glm_pair.decode.url
+    assert len(ok["request_id"]) == 32 and "ttft_ms" in ok
+    assert refused["error_code"] == "context_length_exceeded" and "swordfish" not in lines[1]

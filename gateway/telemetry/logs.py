@@ -1,0 +1,50 @@
+"""Logging: plain text, or one JSON object per line (request id and trace id on the access line; never prompt
+text). The access log (`kvgate.access`) has one line per client request."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import datetime, timezone
+from typing import Literal
+
+import orjson
+
+LogFormat = Literal["text", "json"]
+
+
+class JsonLines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, object] = {
+            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage(),
+        }
+        access = getattr(record, "access", None)
+        if isinstance(access, dict):
+            line.update(access)
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(line, default=str).decode()
+
+
+class _TextAccess(logging.Formatter):
+    """Text lines: the access fields as key=value after the message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        access = getattr(record, "access", None)
+        if isinstance(access, dict):
+            text += " " + " ".join(f"{key}={value}" for key, value in access.items())
+        return text
+
+
+def configure_logging(level: str, fmt: LogFormat = "text", *, access_log: bool = True) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLines() if fmt == "json" else
+                         _TextAccess("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for existing in list(root.handlers):
+        root.removeHandler(existing)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    logging.getLogger("kvgate.access").disabled = not access_log
