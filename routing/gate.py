@@ -60,7 +60,8 @@ def judge_model(model: ModelSpec, readings: dict[Worker, Reading], *, startup: b
     worker out of rotation, so a pool that shrinks never lowers the promise silently.
     """
     configured = model.configured_prompt_limit
-    judgements = [_judge_worker(model, worker, reading, configured) for worker, reading in readings.items()]
+    judgements = [_judge_worker(model, worker, reading, configured, startup=startup)
+                  for worker, reading in readings.items()]
     _check_same_model(judgements)
     reasons: list[str] = []
     mismatches = [j for j in judgements if j.pool_mismatch]
@@ -68,8 +69,8 @@ def judge_model(model: ModelSpec, readings: dict[Worker, Reading], *, startup: b
         for judgement in mismatches:
             judgement.problems.append(mismatch_text(judgement, configured))
     # Safety first, whatever the policy: never admit a prompt some admitted worker would abort or never schedule.
-    admitted_limits = [safe_prompt_limit(j.worker.role, j.reading.info.identity) for j in judgements
-                       if not j.problems and j.reading.info is not None]
+    admitted_limits = [safe_prompt_limit(j.worker.role, identity) for j in judgements
+                       if not j.problems and (identity := _identity(j)) is not None]
     effective = min([configured, *admitted_limits])
     if mismatches and model.on_pool_mismatch == "clamp":
         reasons.append(f"clamped from {configured} to {effective} prompt tokens: "
@@ -89,16 +90,27 @@ def judge_model(model: ModelSpec, readings: dict[Worker, Reading], *, startup: b
         verdict = "clamp"
     else:
         verdict = "warn" if any(j.warnings or j.problems for j in judgements) else "pass"
-    decode_pools = [j.reading.info.identity.pool_tokens for j in admitted
-                    if j.worker.role == "decode" and j.reading.info is not None]
+    decode_pools = [identity.pool_tokens for j in admitted
+                    if j.worker.role == "decode" and (identity := _identity(j)) is not None]
     return ModelJudgement(model, judgements, configured, effective, min(decode_pools) if decode_pools else None,
                           verdict, reasons)
 
 
-def _judge_worker(model: ModelSpec, worker: Worker, reading: Reading, configured: int) -> WorkerJudgement:
+def _identity(judgement: WorkerJudgement) -> EngineIdentity | None:
+    """What the worker's limits are judged by: this reading, or the identity last verified when it was not read."""
+    return judgement.reading.info.identity if judgement.reading.info is not None else judgement.worker.verified
+
+
+def _judge_worker(model: ModelSpec, worker: Worker, reading: Reading, configured: int, *,
+                  startup: bool) -> WorkerJudgement:
     judgement = WorkerJudgement(worker, reading)
     if reading.info is None:
-        judgement.problems.append(f"unreachable: {reading.error}")
+        if not startup and worker.verified is not None:
+            # One missed read is the health checks' to judge (thresholds); the worker keeps the identity the gate
+            # verified, which still bounds the model's limit, and every new connection must still confirm it.
+            judgement.warnings.append(f"not readable this time: {reading.error}")
+        else:
+            judgement.problems.append(f"unreachable: {reading.error}")
         return judgement
     identity, context_length = reading.info.identity, reading.info.context_length
     if identity.disaggregation_mode != worker.role:

@@ -118,10 +118,11 @@ class WorkerMonitor:
         judgement = judge_model(spec, readings, startup=startup)
         for verdict in judgement.workers:
             info = verdict.reading.info
-            if verdict.problems or info is None:
-                verdict.worker.refuse("; ".join(verdict.problems) or "not readable")
-            else:
+            if verdict.problems:
+                verdict.worker.refuse("; ".join(verdict.problems))
+            elif info is not None:
                 verdict.worker.accept(info.identity)
+            # else: a verified worker missed one read; its health (with thresholds) decides
         self._on_judgement(judgement, startup)
         return judgement
 

@@ -109,3 +109,19 @@ def test_identity_mismatch_is_refused() -> None:
 
 def test_versions_compare_numerically() -> None:
     assert version_tuple("0.5.8") < version_tuple("0.5.22") <= version_tuple("0.5.22.post1")
+
+
+def test_a_verified_worker_that_misses_one_read_keeps_its_identity_which_still_bounds_the_limit() -> None:
+    spec = _config(on_pool_mismatch="clamp")
+    small, large = Worker(WorkerSpec("http://d1:1", "decode")), Worker(WorkerSpec("http://d2:1", "decode"))
+    prefill = Worker(WorkerSpec("http://p:1", "prefill"))
+    small.accept(_telemetry("decode", 4096).identity)
+    readings = {prefill: Reading(_telemetry("prefill", 100_000)), small: Reading(None, "no answer in 5s"),
+                large: Reading(_telemetry("decode", 100_000))}
+    judgement = judge_model(spec, readings, startup=False)
+    missed = next(j for j in judgement.workers if j.worker is small)
+    assert not missed.problems and "not readable this time" in missed.warnings[0]
+    assert judgement.effective_limit == 4096 - 512  # still the small pool's safe limit, not the large one's
+    unverified = Worker(WorkerSpec("http://d3:1", "decode"))
+    judgement = judge_model(spec, {**readings, unverified: Reading(None, "refused")}, startup=False)
+    assert next(j for j in judgement.workers if j.worker is unverified).problems  # never verified: stays out

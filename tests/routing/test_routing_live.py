@@ -61,12 +61,12 @@ def test_a_refused_connection_is_retried_on_another_pair_and_a_dead_worker_leave
 def test_a_killed_decode_leaves_rotation_within_the_health_thresholds_while_prefill_serves_on(tmp_path: Path) -> None:
     engines = start_trio()
     try:
-        health = {"interval_s": 0.2, "timeout_s": 1, "failure_threshold": 2, "success_threshold": 1}
+        health = {"interval_s": 0.2, "timeout_s": 3, "failure_threshold": 2, "success_threshold": 1}
         with gateway_for(engines, tmp_path, health=health) as gateway, \
                 httpx.Client(base_url=gateway.url, timeout=30) as client:
             dead = decode_workers(gateway)[1]
             engines.decodes[1].stop()
-            assert wait_for(lambda: not dead.usable, timeout_s=2.0)  # 2 failed reads, 0.2 s apart
+            assert wait_for(lambda: not dead.usable, timeout_s=3.0)  # 2 failed reads, 0.2 s apart
             assert [client.post("/v1/chat/completions", json=CHAT).status_code for _ in range(4)] == [200] * 4
             assert len(generation_records(engines.decodes[0])) == 4
             assert client.get("/readyz").status_code == 200
