@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from gateway.server import serve
             config = load_config(args.config)
-            configure_logging(level, config.logging.format, access_log=config.logging.access_log)
+            configure_logging(level, config.logging)
             return serve(config, log_level=args.log_level, config_path=args.config)
         if args.command == "preflight":
             from gateway.preflight import run_preflight

@@ -6,11 +6,9 @@ from __future__ import annotations
 import logging
 import sys
 from datetime import datetime, timezone
-from typing import Literal
-
 import orjson
 
-LogFormat = Literal["text", "json"]
+from gateway.config import LoggingConfig
 
 
 class JsonLines(logging.Formatter):
@@ -38,13 +36,20 @@ class _TextAccess(logging.Formatter):
         return text
 
 
-def configure_logging(level: str, fmt: LogFormat = "text", *, access_log: bool = True) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLines() if fmt == "json" else
+class _KvgateHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """kvgate's own root handler: replaced when logging is configured again, other handlers left alone."""
+
+
+def configure_logging(level: str, settings: LoggingConfig | None = None) -> logging.Handler:
+    """The root handler (stderr) in the configured format; the access log on or off."""
+    settings = settings or LoggingConfig()
+    handler = _KvgateHandler(sys.stderr)
+    handler.setFormatter(JsonLines() if settings.format == "json" else
                          _TextAccess("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    for existing in list(root.handlers):
+    for existing in [h for h in root.handlers if isinstance(h, _KvgateHandler)]:
         root.removeHandler(existing)
     root.addHandler(handler)
     root.setLevel(level.upper())
-    logging.getLogger("kvgate.access").disabled = not access_log
+    logging.getLogger("kvgate.access").disabled = not settings.access_log
+    return handler

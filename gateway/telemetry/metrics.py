@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.admission.count_cache import CacheStats
 from routing.workers import Worker
+
+disable_created_metrics()  # no `_created` twin of every counter and histogram: twice the series, no use here
 
 _TOKENS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 _RATIO = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
@@ -57,6 +59,11 @@ class GatewayMetrics:
         # ── the exchange ────────────────────────────────────────────────────────────────────────────────────
         self.ttft = Histogram("kvgate_time_to_first_token_seconds", "Dispatch to decode's first token", ["model"],
                               buckets=_SECONDS, registry=r)
+        self.ttft_per_1k = Histogram("kvgate_ttft_seconds_per_1k_prompt_tokens", "Time to first token per 1,000 "
+                                     "prompt tokens, for prompts of 1,024 tokens or more: far below what prefill can "
+                                     "do means the prompt was not really prefilled (the incident's placeholder)",
+                                     ["model"], buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                                         0.05, 0.1, 0.25, 1), registry=r)
         self.duration = Histogram("kvgate_request_duration_seconds", "Dispatch to the exchange's end, by outcome",
                                   ["model", "outcome"], buckets=_SECONDS, registry=r)
         self.inter_token = Histogram("kvgate_inter_token_seconds", "Mean time between decode events of a request",

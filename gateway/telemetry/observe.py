@@ -41,7 +41,10 @@ def observe_exchange(metrics: GatewayMetrics, exchange: PDExchange) -> None:
     outcome = exchange.outcome
     metrics.duration.labels(model, outcome).observe(end - exchange.started_at)
     if exchange.first_token_at is not None:
-        metrics.ttft.labels(model).observe(exchange.first_token_at - exchange.started_at)
+        ttft = exchange.first_token_at - exchange.started_at
+        metrics.ttft.labels(model).observe(ttft)
+        if exchange.prompt_tokens >= 1024:
+            metrics.ttft_per_1k.labels(model).observe(ttft / (exchange.prompt_tokens / 1000))
         last = exchange.decode_closed_at or end
         if exchange.output_events > 1:
             metrics.inter_token.labels(model).observe((last - exchange.first_token_at) / (exchange.output_events - 1))

@@ -74,6 +74,12 @@ KEY_TESTS = {
     "models.circuit_breaker.open_s": "tests/routing/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",
     "admin.token_env": "tests/routing/test_worker_management.py::test_the_admin_api_needs_its_token_and_every_answer_has_a_request_id",
     "discovery.nameservers": "tests/routing/test_dns_discovery.py::test_dns_workers_join_through_the_gate_and_leave_by_draining",
+    "logging.format": "tests/gateway/test_shutdown.py::test_sighup_reloads_then_sigterm_lets_streams_that_fit_the_grace_finish_and_cancels_the_rest_on_both_halves",
+    "logging.access_log": "tests/gateway/test_metrics.py::test_access_log_false_silences_the_access_log",
+    "tracing.enabled": "tests/gateway/test_tracing.py::test_spans_are_exported_over_otlp_http",
+    "tracing.otlp_endpoint": "tests/gateway/test_tracing.py::test_spans_are_exported_over_otlp_http",
+    "tracing.service_name": "tests/gateway/test_tracing.py::test_spans_are_exported_over_otlp_http",
+    "tracing.sample_ratio": "tests/gateway/test_tracing.py::test_sample_ratio_zero_starts_no_trace_but_follows_a_sampled_client",
     "models.health": "tests/routing/test_routing_live.py::test_a_killed_decode_leaves_rotation_within_the_health_thresholds_while_prefill_serves_on",
 }
 

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
-from gateway.telemetry.logs import JsonLines
+from gateway.config import LoggingConfig
+from gateway.telemetry.logs import JsonLines, configure_logging
 from loadtests.engine.harness import EnginePair
 from tests.engine_records import inject, reset, wait_for
 from tests.gateway_harness import model_entry, running_gateway, write_config
@@ -59,9 +61,13 @@ def test_a_scripted_mix_shows_exact_counts(glm_pair: EnginePair, tmp_path: Path)
         def scraped() -> str:
             return client.get("/metrics").text
 
-        # Exchanges are observed when both halves are closed (the one whose client left, ~0.6 s on).
-        assert wait_for(lambda: sample(scraped(), "kvgate_request_duration_seconds_count",
-                                       model="glm-5", outcome="client_gone") == 1, timeout_s=10)
+        # Exchanges are observed when both halves are closed and every abort answered, which may be after the
+        # client's answer (the one whose client left: ~0.6 s on).
+        def observed(outcome: str) -> float:
+            return sample(scraped(), "kvgate_request_duration_seconds_count", model="glm-5", outcome=outcome)
+
+        assert wait_for(lambda: observed("client_gone") == 1 and observed("prefill_failed") == 1
+                        and observed("ok") == 3, timeout_s=10)
         text = scraped()
         route = "/v1/chat/completions"
         assert sample(text, "kvgate_requests_total", model="glm-5", route=route, status="200") == 3
@@ -115,3 +121,16 @@ def test_the_access_log_is_one_json_line_per_request_without_prompt_text(glm_pai
     assert ok["outcome"] == "ok" and ok["prompt_tokens"] > 0 and ok["decode"] == glm_pair.decode.url
     assert len(ok["request_id"]) == 32 and "ttft_ms" in ok
     assert refused["error_code"] == "context_length_exceeded" and "swordfish" not in lines[1]
+
+
+def test_access_log_false_silences_the_access_log() -> None:
+    root, level = logging.getLogger(), logging.getLogger().level
+    try:
+        for enabled in (False, True):
+            document = yaml.safe_load(f"logging: {{format: json, access_log: {str(enabled).lower()}}}")
+            handler = configure_logging("info", LoggingConfig.model_validate(document["logging"]))
+            assert logging.getLogger("kvgate.access").disabled is (not enabled)
+            assert isinstance(handler.formatter, JsonLines) and handler in root.handlers
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)

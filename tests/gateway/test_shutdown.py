@@ -5,6 +5,7 @@ process, because only the main thread receives signals."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -26,11 +27,11 @@ def test_sighup_reloads_then_sigterm_lets_streams_that_fit_the_grace_finish_and_
     with start_pair(prefill_pool=50000, decode_pool=50000, context_length=8192, model="glm-5", version="0.5.23",
                     token_delay_ms=50) as pair:
         config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode])],
-                              shutdown={"grace_s": GRACE_S})
+                              shutdown={"grace_s": GRACE_S}, logging={"format": "json"})
         port = int(config.stem.split("-")[1])
         url = f"http://127.0.0.1:{port}"
         process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-                                    "--log-level", "warning"], cwd=ROOT, stdout=subprocess.PIPE,
+                                    "--log-level", "info"], cwd=ROOT, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
         try:
             assert wait_for(lambda: _ready(url), timeout_s=30), "gateway did not start"
@@ -54,6 +55,9 @@ def test_sighup_reloads_then_sigterm_lets_streams_that_fit_the_grace_finish_and_
         assert len(cut) == 10 and all(r["outcome"] in ("aborted", "client_disconnected") for r in cut)
         assert wait_for(lambda: httpx.get(pair.decode.url + "/emu/state").json()["used_tokens"] == 0, timeout_s=5)
         assert "Traceback" not in output
+        lines = [json.loads(line) for line in output.splitlines() if line.strip()]  # every line is JSON
+        access = [line for line in lines if line["logger"] == "kvgate.access"]
+        assert len(access) == 21 and all(line["request_id"] and line["status"] for line in access)  # 20 + the 503
 
 
 def _served_limit(url: str) -> int:

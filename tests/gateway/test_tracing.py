@@ -13,7 +13,7 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.config import TracingConfig
+from gateway.config import TracingConfig, load_config
 from gateway.telemetry.tracing import Tracing
 from loadtests.engine.harness import EnginePair, free_port
 from tests.engine_records import generation_records, reset, wait_for
@@ -112,3 +112,20 @@ def test_spans_are_exported_over_otlp_http(glm_pair: EnginePair, tmp_path: Path,
     assert received and all(path == "/v1/traces" for path, _ in received)
     body = b"".join(payload for _, payload in received)
     assert bytes.fromhex(TRACE_ID) in body and b"kvgate-test" in body and SECRET.encode() not in body
+
+
+def test_sample_ratio_zero_starts_no_trace_but_follows_a_sampled_client(glm_pair: EnginePair, tmp_path: Path) -> None:
+    config = write_config(tmp_path, [model_entry("glm-5", [glm_pair.prefill], [glm_pair.decode])],
+                          tracing={"enabled": True, "sample_ratio": 0.0})
+    exporter = InMemorySpanExporter()
+    with running_gateway(config) as gateway:
+        gateway.gateway.tracing = tracing = Tracing(load_config(config).tracing, exporter=exporter)
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=30,
+                          headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}).status_code == 200
+
+        def traces() -> set[str]:
+            tracing.flush()
+            return {format(span.context.trace_id, "032x") for span in exporter.get_finished_spans()}
+
+        assert wait_for(lambda: traces() == {TRACE_ID}, timeout_s=5)  # only the client's sampled trace
