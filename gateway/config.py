@@ -156,6 +156,25 @@ class BreakerConfig(_Strict):
     open_s: float = Field(10.0, gt=0, description="how long it stays open before a probe")
 
 
+CheckAction = Literal["warn", "refuse"]
+
+
+class DeploymentChecksConfig(_Strict):
+    """The incident's deployment gate beyond the pool, per worker on every read (see README, "Deployment checks").
+    refuse: a failing worker stays out of rotation (and a model left without a role is refused); warn: reported."""
+
+    version_skew: CheckAction = Field("warn", description="prefill and decode on different SGLang versions")
+    transfer_backend: CheckAction = Field("refuse", description="fake, unknown, or different on the two roles")
+    role_settings_match: CheckAction = Field("refuse", description="KV checksum / decode allocation policy differ")
+    deferred_kv_release: CheckAction = Field("warn", description="deferred decode KV release off or absent")
+    transfer_batch_bound: CheckAction = Field("warn", description="Mooncake transfer batches unbounded (prefill)")
+    release_timeout: CheckAction = Field("warn", description="decode's release timeout below transfer_timeout_s")
+    metrics_enabled: CheckAction = Field("warn", description="engine started without --enable-metrics")
+    require_verified_transfer_settings: bool = Field(False, description="treat unverified (not exposed) as failed")
+    transfer_timeout_s: float = Field(30.0, gt=0, description="the longest KV transfer you expect (Mooncake's "
+                                                               "MC_TRANSFER_TIMEOUT, which SGLang does not expose)")
+
+
 class HealthConfig(_Strict):
     path: str = Field("/server_info", pattern=r"^/", description="checked every interval; /server_info is read and "
                                                                   "judged anyway")
@@ -183,6 +202,7 @@ class ModelConfig(_Strict):
     routing: RoutingConfig = RoutingConfig()
     limits: LimitsConfig = LimitsConfig()
     circuit_breaker: BreakerConfig = BreakerConfig()
+    deployment_checks: DeploymentChecksConfig = DeploymentChecksConfig()
     health: HealthConfig | None = Field(None, description="this model's workers' health checks (default: the "
                                                           "top-level health block)")
     prefill: list[PrefillEntry] = Field(min_length=1)

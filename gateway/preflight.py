@@ -43,7 +43,13 @@ async def collect(config: GatewayConfig) -> list[ModelJudgement]:
 def run_preflight(config: GatewayConfig, *, as_json: bool) -> int:
     judgements = asyncio.run(collect(config))
     print(orjson.dumps(report(judgements), option=orjson.OPT_INDENT_2).decode() if as_json else table(judgements))
-    return 0 if all(j.passes for j in judgements) else 1
+    return 0 if _ok(judgements) else 1
+
+
+def _ok(judgements: list[ModelJudgement]) -> bool:
+    """Every model passes and no worker has a problem (unreachable, a pool mismatch, a check failed under refuse,
+    or unverified where verified settings are required): a deploy pipeline stops on any of them."""
+    return all(j.passes and not any(v.problems for v in j.workers) for j in judgements)
 
 
 def report(judgements: list[ModelJudgement]) -> dict[str, Any]:
@@ -62,6 +68,8 @@ def report(judgements: list[ModelJudgement]) -> dict[str, Any]:
                 "page_size": identity.page_size if identity else None,
                 "version": identity.version if identity else None,
                 "verdict": verdict.verdict, "problems": verdict.problems, "warnings": verdict.warnings,
+                "checks": [{"check": c.check, "result": c.result, "value": c.value, "safe": c.safe,
+                            "policy": c.policy} for c in verdict.checks],
             })
         models.append({"model": judgement.model.name, "context_length": judgement.model.context_length,
                        "advertised_prompt_limit": judgement.configured_limit,
@@ -69,7 +77,7 @@ def report(judgements: list[ModelJudgement]) -> dict[str, Any]:
                        "decode_pool_tokens": judgement.decode_pool_tokens,
                        "policy": judgement.model.on_pool_mismatch, "verdict": judgement.verdict,
                        "reasons": judgement.reasons, "ways_out": _ways_out(judgement), "workers": workers})
-    return {"ok": all(j.passes for j in judgements), "models": models}
+    return {"ok": _ok(judgements), "models": models}
 
 
 def table(judgements: list[ModelJudgement]) -> str:
@@ -80,19 +88,33 @@ def table(judgements: list[ModelJudgement]) -> str:
         rows = [header] + [(w["role"], w["url"], _cell(w["pool_tokens"]), _cell(w["max_req_input_len"]),
                             _cell(w["context_length"]), _cell(w["page_size"]), _cell(w["version"]),
                             w["verdict"].upper()) for w in model["workers"]]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         lines.append(f"model {model['model']}: advertised {model['advertised_prompt_limit']} prompt tokens "
                      f"(context {model['context_length']}), effective {model['effective_prompt_limit']}, "
                      f"policy {model['policy']} -> {model['verdict'].upper()}")
-        lines.extend("  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows)
+        lines.extend(_aligned(rows))
+        checks = [("ROLE", "WORKER", "CHECK", "RESULT", "VALUE", "SAFE")] + [
+            (w["role"], w["url"], c["check"], c["result"].upper() + ("" if c["result"] != "fail" else
+                                                                       f" ({c['policy']})"), c["value"], c["safe"])
+            for w in model["workers"] for c in w["checks"]]
+        if len(checks) > 1:
+            lines.append("  deployment checks:")
+            lines.extend("  " + line for line in _aligned(checks))
         for worker in model["workers"]:
+            check_texts = {f"{c['check']}: " for c in worker["checks"]}
             for note in worker["problems"] + worker["warnings"]:
-                lines.append(f"  ! {worker['url']}: {note}")
+                if not any(note.startswith(prefix) for prefix in check_texts):  # already in the checks table
+                    lines.append(f"  ! {worker['url']}: {note}")
         lines.extend(f"  => {reason}" for reason in model["reasons"])
         lines.extend(f"  => {line}" for line in model["ways_out"])
         lines.append("")
-    lines.append("PASS: every model fits its engines' KV pools" if data["ok"] else "FAIL: see the models above")
+    lines.append("PASS: every model fits its engines' KV pools and passes the deployment checks" if data["ok"]
+                 else "FAIL: see the models above")
     return "\n".join(lines)
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
 
 
 def _cell(value: Any) -> str:

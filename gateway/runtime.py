@@ -24,6 +24,7 @@ from gateway.telemetry.observe import observe_exchange, observe_request
 from gateway.telemetry.record import RequestRecord
 from gateway.telemetry.tracing import Tracing
 from routing.breaker import BreakerSpec
+from routing.deployment_checks import CheckPolicy
 from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
 from routing.discovery import Discovery, DnsSource, initial_specs, make_resolver
@@ -94,7 +95,8 @@ def model_spec(config: ModelConfig) -> ModelSpec:
                       for w in config.static_workers("prefill")),
         decode=tuple(WorkerSpec(w.url, "decode") for w in config.static_workers("decode")),
         limits=PoolLimits(limits.max_inflight_per_worker, limits.max_queue, limits.queue_timeout_s),
-        breaker=BreakerSpec(breaker.failure_threshold, breaker.success_threshold, breaker.open_s))
+        breaker=BreakerSpec(breaker.failure_threshold, breaker.success_threshold, breaker.open_s),
+        checks=CheckPolicy(**config.deployment_checks.model_dump()))
 
 
 def dns_sources(config: GatewayConfig) -> list[DnsSource]:

@@ -7,12 +7,12 @@ readings (pure functions, no I/O): which workers may receive traffic, the model'
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from routing.engine_info import Reading
-from routing.engines.identity import EngineIdentity
+from routing.deployment_checks import CheckOutcome, check_worker
+from routing.engines.identity import EngineIdentity, version_tuple
 from routing.specs import ModelSpec
 from routing.workers import Worker
 
@@ -26,6 +26,7 @@ class WorkerJudgement:
     problems: list[str] = field(default_factory=list)   # any problem keeps the worker out of rotation
     warnings: list[str] = field(default_factory=list)
     pool_mismatch: bool = False
+    checks: list[CheckOutcome] = field(default_factory=list)  # the deployment checks (routing.deployment_checks)
 
     @property
     def verdict(self) -> Verdict:
@@ -49,10 +50,6 @@ class ModelJudgement:
         return self.verdict != "refuse"
 
 
-def version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
-
-
 def judge_model(model: ModelSpec, readings: dict[Worker, Reading], *, startup: bool) -> ModelJudgement:
     """Judge every worker of a model and derive the model's limits.
 
@@ -63,6 +60,7 @@ def judge_model(model: ModelSpec, readings: dict[Worker, Reading], *, startup: b
     judgements = [_judge_worker(model, worker, reading, configured, startup=startup)
                   for worker, reading in readings.items()]
     _check_same_model(judgements)
+    _check_deployment(model, judgements)
     reasons: list[str] = []
     mismatches = [j for j in judgements if j.pool_mismatch]
     if model.on_pool_mismatch == "refuse":
@@ -142,6 +140,22 @@ def safe_prompt_limit(role: str, identity: EngineIdentity) -> int:
     if role == "decode":
         limit = min(limit, identity.pool_tokens - identity.reserved_decode_tokens)
     return limit
+
+
+def _check_deployment(model: ModelSpec, judgements: list[WorkerJudgement]) -> None:
+    """The transfer-safety and version checks, each worker against the model's workers of the other role."""
+    identities = [(j, _identity(j)) for j in judgements]
+    policy = model.checks
+    for judgement, identity in identities:
+        if identity is None:
+            continue
+        others = [i for j, i in identities if i is not None and j.worker.role != judgement.worker.role]
+        judgement.checks = check_worker(judgement.worker.role, identity, others, policy)
+        for outcome in judgement.checks:
+            if outcome.result == "fail":
+                (judgement.problems if outcome.policy == "refuse" else judgement.warnings).append(outcome.text())
+            elif outcome.result == "unverified" and policy.require_verified_transfer_settings:
+                judgement.problems.append(outcome.text() + " — verified transfer settings are required")
 
 
 def _check_same_model(judgements: list[WorkerJudgement]) -> None:

@@ -50,6 +50,8 @@ class Member:
             "gate": None if identity is None else {"pool_tokens": identity.pool_tokens,
                                                    "max_req_input_len": identity.max_req_input_len,
                                                    "version": identity.version},
+            "checks": [{"check": c.check, "result": c.result, "value": c.value, "safe": c.safe, "policy": c.policy}
+                       for c in w.checks],
         }
 
 

@@ -118,6 +118,8 @@ class WorkerMonitor:
         judgement = judge_model(spec, readings, startup=startup)
         for verdict in judgement.workers:
             info = verdict.reading.info
+            if verdict.checks:
+                verdict.worker.note_checks(verdict.checks)
             if verdict.problems:
                 verdict.worker.refuse("; ".join(verdict.problems))
             elif info is not None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from routing.breaker import BreakerSpec
+from routing.deployment_checks import CheckPolicy
 from routing.workers import WorkerSpec
 
 
@@ -32,6 +33,7 @@ class ModelSpec:
     decode: tuple[WorkerSpec, ...]
     limits: PoolLimits = PoolLimits()
     breaker: BreakerSpec = BreakerSpec()
+    checks: CheckPolicy = CheckPolicy()
 
 
 @dataclass(frozen=True, slots=True)

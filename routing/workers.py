@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
 from routing.breaker import BreakerSpec, BreakerState, CircuitBreaker, Ticket
+from routing.deployment_checks import CheckOutcome
 from routing.engines.identity import EngineIdentity
 from routing.stable_hash import stable_hash
 
@@ -56,6 +57,7 @@ class Worker:
         self._max_inflight = max_inflight
         self._draining = False
         self._engine_load: tuple[float, int] | None = None  # (when read, KV tokens in use or queued)
+        self._checks: tuple[CheckOutcome, ...] = ()
 
     def __repr__(self) -> str:
         return f"Worker({self.role} {self.url})"
@@ -102,6 +104,11 @@ class Worker:
     @property
     def breaker_state(self) -> BreakerState:
         return self._breaker.state
+
+    @property
+    def checks(self) -> tuple[CheckOutcome, ...]:
+        """The deployment checks of its last judgement (routing.deployment_checks)."""
+        return self._checks
 
     def engine_load(self, max_age_s: float) -> int | None:
         """The engine's own load (KV tokens in use or queued) if read within `max_age_s`; stale data is not trusted."""
@@ -166,6 +173,9 @@ class Worker:
         self._breaker.reconfigure(breaker)
         self._max_inflight = max_inflight
         self._capacity_changed()
+
+    def note_checks(self, outcomes: Iterable[CheckOutcome]) -> None:
+        self._checks = tuple(outcomes)
 
     def record_engine_load(self, tokens: int) -> None:
         self._engine_load = (time.monotonic(), tokens)

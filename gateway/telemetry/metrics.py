@@ -20,6 +20,7 @@ _RATIO = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _FAST_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 _BREAKER_STATES = ("closed", "half_open", "open")
+_CHECK_RESULTS = ("pass", "fail", "unverified")
 
 # Why a request was answered before any engine saw it, from its status and code.
 _REJECTION_REASONS = {
@@ -147,6 +148,8 @@ class _WorkerCollector(Collector):
                                         labels=labels)
         breaker = GaugeMetricFamily("kvgate_worker_breaker_state", "1 for the circuit breaker's current state",
                                     labels=[*labels, "state"])
+        checks = GaugeMetricFamily("kvgate_worker_check", "1 for each deployment check's current result (pass, fail, "
+                                   "unverified)", labels=[*labels, "check", "result"])
         for model, worker in self._workers():
             key = [model, worker.url, worker.role]
             in_flight.add_metric(key, worker.in_flight)
@@ -154,4 +157,7 @@ class _WorkerCollector(Collector):
             in_rotation.add_metric(key, 1 if worker.usable else 0)
             for state in _BREAKER_STATES:
                 breaker.add_metric([*key, state], 1 if worker.breaker_state.value == state else 0)
-        yield from (in_flight, healthy, in_rotation, breaker)
+            for outcome in worker.checks:
+                for result in _CHECK_RESULTS:
+                    checks.add_metric([*key, outcome.check, result], 1 if outcome.result == result else 0)
+        yield from (in_flight, healthy, in_rotation, breaker, checks)

@@ -47,7 +47,24 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--health-delay-s", type=float, default=1.0,
                    help="/health and /health_generate answer after this long (SGLang polls every 1 s)")
     p.add_argument("--request-log-size", type=int, default=200_000, help="records kept for /emu/requests")
+    p.add_argument("--transfer-backend", default="mooncake",
+                   choices=("mooncake", "mooncake_tcp", "nixl", "mori", "ascend", "fake"),
+                   help="disaggregation_transfer_backend (reported resolved: mooncake_tcp as mooncake)")
+    p.add_argument("--enable-kv-checksum", action=argparse.BooleanOptionalAction, default=False,
+                   help="disaggregation_enable_kv_checksum (0.5.22+)")
+    p.add_argument("--decode-allocation-policy", default="early", choices=("early", "prefill_complete"),
+                   help="disaggregation_decode_allocation_policy (0.5.22+)")
+    p.add_argument("--expose-env-vars", action=argparse.BooleanOptionalAction, default=False,
+                   help="SGLANG_EXPOSE_OWN_ENV_VARS=1 (0.5.22+): list the --env variables in server info")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable set explicitly for the engine (repeatable)")
     a = p.parse_args(argv)
+    env = []
+    for item in a.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            p.error(f"--env expects NAME=VALUE, got {item!r}")
+        env.append((name, value))
     if a.pool_tokens < a.page_size or a.context_length < 8:
         p.error("--pool-tokens must hold at least one page and --context-length must be >= 8")
     try:
@@ -62,7 +79,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         bootstrap_timeout_s=a.bootstrap_timeout_s, waiting_timeout_s=a.waiting_timeout_s,
         enable_metrics=a.enable_metrics, disconnect_poll_s=a.disconnect_poll_s,
         stream_abort_delay_s=a.stream_abort_delay_s, health_delay_s=a.health_delay_s,
-        request_log_size=a.request_log_size)
+        request_log_size=a.request_log_size, transfer_backend=a.transfer_backend,
+        enable_kv_checksum=a.enable_kv_checksum, decode_allocation_policy=a.decode_allocation_policy,
+        expose_env_vars=a.expose_env_vars, env=tuple(env))
 
 
 async def serve(cfg: EngineConfig) -> None:

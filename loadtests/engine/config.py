@@ -33,6 +33,12 @@ class EngineConfig:
     stream_abort_delay_s: float
     health_delay_s: float
     request_log_size: int
+    # PD safety settings, reported in /server_info as SGLang 0.5.22+ does (see `info.server_args`)
+    transfer_backend: str = "mooncake"
+    enable_kv_checksum: bool = False
+    decode_allocation_policy: str = "early"
+    expose_env_vars: bool = False  # SGLANG_EXPOSE_OWN_ENV_VARS=1: internal_states[*].env_vars lists `env`
+    env: tuple[tuple[str, str], ...] = ()  # environment variables set explicitly (SGLANG_* only are reported)
 
     @property
     def dialect(self) -> Dialect:

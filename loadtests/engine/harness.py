@@ -96,6 +96,9 @@ def _flags(opts: dict[str, Any]) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):  # a repeatable flag, e.g. env=["A=1", "B=2"]
+            for item in value:
+                out += [flag, str(item)]
         else:
             out += [flag, str(value)]
     return out

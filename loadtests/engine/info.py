@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from .config import EngineConfig
+from .dialect import Dialect
 from .engine import Engine
 from .httpcore import TEXT, Request
 from .metrics import Metrics
@@ -18,16 +19,25 @@ _FLUSH_MSG = (b"Cache flushed.\nPlease check backend logs for more details. (Whe
               b"requests, the operation will not be performed.)\n")
 
 
+# `disaggregation_transfer_backend` as ServerArgs.resolved_dict() reports it (0.5.22+)
+_RESOLVED_BACKEND = {"mooncake_tcp": "mooncake"}
+
+
 def server_args(cfg: EngineConfig, tokenizer_path: str) -> dict[str, Any]:
-    """The ServerArgs fields a gateway may read (server_info flattens them at the top level)."""
-    return {
+    """The ServerArgs fields a gateway may read (server_info flattens them at the top level). 0.5.8 reports the
+    backend as given and has no checksum or allocation-policy field."""
+    modern = cfg.dialect is not Dialect.V0_5_8
+    backend = _RESOLVED_BACKEND.get(cfg.transfer_backend, cfg.transfer_backend) if modern else cfg.transfer_backend
+    extra: dict[str, Any] = {"disaggregation_enable_kv_checksum": cfg.enable_kv_checksum,
+                             "disaggregation_decode_allocation_policy": cfg.decode_allocation_policy} if modern else {}
+    return {**extra,
         "model_path": cfg.model, "tokenizer_path": tokenizer_path, "served_model_name": cfg.model,
         "host": cfg.host, "port": cfg.port, "context_length": cfg.context_length, "page_size": cfg.page_size,
         "max_total_tokens": cfg.pool_tokens, "max_running_requests": None, "max_queued_requests": None,
         "chunked_prefill_size": None, "max_prefill_tokens": 16384, "mem_fraction_static": None,
         "allow_auto_truncate": False, "tp_size": 1, "dp_size": 1, "pp_size": 1, "load_balance_method": "round_robin",
         "disaggregation_mode": cfg.role, "disaggregation_bootstrap_port": cfg.bootstrap_port,
-        "disaggregation_transfer_backend": "mooncake", "disaggregation_decode_tp": None,
+        "disaggregation_transfer_backend": backend, "disaggregation_decode_tp": None,
         "disaggregation_decode_dp": None, "disaggregation_ib_device": None, "num_reserved_decode_tokens": 512,
         "enable_metrics": cfg.enable_metrics, "skip_tokenizer_init": False, "stream_output": False,
     }
@@ -57,10 +67,14 @@ class InfoAPI:
 
     def _internal_state(self) -> dict[str, Any]:
         cfg = self.cfg
-        return {**server_args(cfg, self.engine.tok.path), "last_gen_throughput": self.engine.gen_throughput(),
-                "memory_usage": {"weight": 0.0, "kvcache": 0.0, "token_capacity": cfg.max_total_num_tokens,
-                                 "graph": 0.0},
-                "effective_max_running_requests_per_dp": 4096}
+        state = {**server_args(cfg, self.engine.tok.path), "last_gen_throughput": self.engine.gen_throughput(),
+                 "memory_usage": {"weight": 0.0, "kvcache": 0.0, "token_capacity": cfg.max_total_num_tokens,
+                                  "graph": 0.0},
+                 "effective_max_running_requests_per_dp": 4096, "disaggregation_mode": cfg.role}
+        if cfg.expose_env_vars and cfg.dialect is not Dialect.V0_5_8:
+            # exportable_env_vars(): only the Envs fields present in the environment, never MC_* (Mooncake's own)
+            state["env_vars"] = {name: value for name, value in cfg.env if name.startswith("SGLANG_")}
+        return state
 
     async def server_info(self, req: Request) -> None:
         cfg = self.cfg

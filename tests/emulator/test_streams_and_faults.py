@@ -185,3 +185,16 @@ def test_error_body_under_200_and_in_a_stream(engines: Any) -> None:
     assert status == 503 and out == {**error, "message": "Injected fault", "type": "BadRequestError", "code": 400}
     record = httpx.get(eng.url + "/emu/requests", params={"rid": "eb-1"}).json()["requests"][0]
     assert record["fault"] == "error_body" and record["status"] == 200 and record["outcome"] == "error"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_server_info_reports_the_pd_safety_settings_as_each_version_does(engines: dict[str, RunningEngine],
+                                                                         version: str) -> None:
+    info = httpx.get(engines[version].url + "/server_info").json()
+    assert info["disaggregation_transfer_backend"] == "mooncake" and info["enable_metrics"] is True
+    modern = version != "0.5.8"
+    assert ("disaggregation_enable_kv_checksum" in info) is modern  # 0.5.22+ fields, with their defaults
+    if modern:
+        assert info["disaggregation_enable_kv_checksum"] is False
+        assert info["disaggregation_decode_allocation_policy"] == "early"
+    assert "env_vars" not in info["internal_states"][0]  # only with SGLANG_EXPOSE_OWN_ENV_VARS=1

@@ -80,6 +80,15 @@ KEY_TESTS = {
     "tracing.otlp_endpoint": "tests/gateway/test_tracing.py::test_spans_are_exported_over_otlp_http",
     "tracing.service_name": "tests/gateway/test_tracing.py::test_spans_are_exported_over_otlp_http",
     "tracing.sample_ratio": "tests/gateway/test_tracing.py::test_sample_ratio_zero_starts_no_trace_but_follows_a_sampled_client",
+    "models.deployment_checks.version_skew": "tests/routing/test_deployment_checks.py::test_version_skew_is_warned_and_refused_under_refuse",
+    "models.deployment_checks.transfer_backend": "tests/routing/test_deployment_checks.py::test_a_fake_transfer_backend_is_refused",
+    "models.deployment_checks.role_settings_match": "tests/routing/test_deployment_checks.py::test_a_checksum_mismatch_between_the_roles_is_reported_and_keeps_the_workers_out",
+    "models.deployment_checks.deferred_kv_release": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",
+    "models.deployment_checks.transfer_batch_bound": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",
+    "models.deployment_checks.release_timeout": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",
+    "models.deployment_checks.metrics_enabled": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",
+    "models.deployment_checks.require_verified_transfer_settings": "tests/routing/test_deployment_checks.py::test_an_unbounded_mooncake_batch_is_flagged_when_exposed_and_unverified_when_not",
+    "models.deployment_checks.transfer_timeout_s": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",
     "models.health": "tests/routing/test_routing_live.py::test_a_killed_decode_leaves_rotation_within_the_health_thresholds_while_prefill_serves_on",
 }
 

@@ -1,0 +1,209 @@
+"""The incident's deployment gate beyond the pool: transfer backend, settings that must match across the roles,
+version skew, deferred KV release and transfer bounds (when the engines expose their environment), metrics — judged
+per worker from /server_info over real HTTP, in preflight (table, JSON, exit code), /readyz, metrics and the admin
+API."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import load_config
+from gateway.preflight import collect, report, run_preflight
+from loadtests.engine.harness import EnginePair, start_pair
+from routing.deployment_checks import CheckPolicy, check_worker
+from routing.engines.identity import EngineIdentity, TransferSettings
+from tests.gateway_harness import model_entry, running_gateway, write_config
+
+EXPOSED_GOOD = {"expose_env_vars": True, "env": ["SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES=256"]}
+
+
+def _identity(role: str, version: str = "0.5.23", **settings: Any) -> EngineIdentity:
+    defaults: dict[str, Any] = {"backend": "mooncake", "kv_checksum": False, "decode_allocation_policy": "early",
+                                "metrics_enabled": True, "env_vars": None}
+    return EngineIdentity(20000, 8185, 1, version, role, "glm-5", "/t", None,
+                          settings=TransferSettings(**{**defaults, **settings}))
+
+
+def _results(role: str, identity: EngineIdentity, other: EngineIdentity, **policy: Any) -> dict[str, str]:
+    return {c.check: c.result for c in check_worker(role, identity, [other], CheckPolicy(**policy))}
+
+
+def test_each_check_reads_its_setting_and_says_unverified_when_it_cannot() -> None:
+    decode = _identity("decode")
+    assert _results("prefill", _identity("prefill", backend="fake"), decode)["transfer_backend"] == "fail"
+    assert _results("prefill", _identity("prefill", version="0.5.22"), decode)["version_skew"] == "fail"
+    assert _results("prefill", _identity("prefill", kv_checksum=True), decode)["kv_checksum_match"] == "fail"
+    hidden = _results("prefill", _identity("prefill"), decode)
+    assert hidden["transfer_batch_bound"] == hidden["deferred_kv_release"] == "unverified"
+    unbounded = _results("prefill", _identity("prefill", env_vars=()), decode)  # exposed: absent means default
+    assert unbounded["transfer_batch_bound"] == "fail" and unbounded["deferred_kv_release"] == "pass"
+    off = _identity("decode", env_vars=(("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "false"),))
+    assert _results("decode", off, _identity("prefill"))["deferred_kv_release"] == "fail"
+    short = _identity("decode", env_vars=(("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "20"),))
+    assert _results("decode", short, _identity("prefill"))["release_timeout"] == "fail"
+    assert _results("decode", short, _identity("prefill"), transfer_timeout_s=15)["release_timeout"] == "pass"
+    old = _results("decode", _identity("decode", version="0.5.8", kv_checksum=None, decode_allocation_policy=None),
+                   _identity("prefill", version="0.5.8", kv_checksum=None, decode_allocation_policy=None))
+    assert old["deferred_kv_release"] == "fail" and old["kv_checksum_match"] == "unverified"
+    assert _results("prefill", _identity("prefill", metrics_enabled=False), decode)["metrics_enabled"] == "fail"
+
+
+def test_every_policy_in_the_yaml_reaches_the_gate(tmp_path: Path) -> None:
+    from gateway.runtime import model_spec
+    from routing.engine_info import EngineInfo, Reading
+    from routing.gate import judge_model
+    from routing.workers import Worker, WorkerSpec
+
+    names = ("deferred_kv_release", "transfer_batch_bound", "release_timeout", "metrics_enabled")
+    entry = model_entry("glm-5", [], [], max_prompt_tokens=4000,
+                        deployment_checks={**dict.fromkeys(names, "refuse"), "transfer_timeout_s": 45})
+    entry.update(prefill=[{"url": "http://p:1"}], decode=[{"url": "http://d:1"}])
+    path = write_config(tmp_path, [entry])
+    spec = model_spec(load_config(path).models[0])
+    env = (("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0"),)
+    readings = {Worker(WorkerSpec("http://p:1", "prefill")): Reading(EngineInfo(_identity("prefill", env_vars=env,
+                                                                                          metrics_enabled=False), None)),
+                Worker(WorkerSpec("http://d:1", "decode")): Reading(EngineInfo(_identity("decode", env_vars=env,
+                                                                                         metrics_enabled=False), None))}
+    judgement = judge_model(spec, readings, startup=True)
+    refused = {p.split(":")[0] for w in judgement.workers for p in w.problems}
+    assert refused == set(names)  # each one, set to refuse, keeps the workers out (release timeout: 30 s < 45 s)
+    assert judgement.verdict == "refuse"
+
+
+CLUSTERS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # (prefill options, decode options)
+    "fake_backend": ({"transfer_backend": "fake"}, {}),
+    "version_skew": ({"version": "0.5.22"}, {}),
+    "checksum_mismatch": ({"enable_kv_checksum": True}, {}),
+    "exposed_unbounded": ({"expose_env_vars": True}, {"expose_env_vars": True}),
+    "hidden_unbounded": ({}, {}),
+    "good": (EXPOSED_GOOD, {"expose_env_vars": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def clusters() -> Iterator[dict[str, EnginePair]]:
+    started: dict[str, EnginePair] = {}
+    try:
+        for name, (prefill, decode) in CLUSTERS.items():
+            version = prefill.pop("version", "0.5.23")
+            started[name] = start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5",
+                                       version="0.5.23", prefill_opts={**prefill, "version": version},
+                                       decode_opts=decode)
+        yield started
+    finally:
+        for pair in started.values():
+            pair.stop()
+
+
+def _config(tmp_path: Path, pair: EnginePair, **model: Any) -> Path:
+    return write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode], **model)])
+
+
+def _checks(tmp_path: Path, pair: EnginePair, **model: Any) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:
+    import asyncio
+
+    data = report(asyncio.run(collect(load_config(_config(tmp_path, pair, **model)))))
+    found = {(w["role"], c["check"]): c for m in data["models"] for w in m["workers"] for c in w["checks"]}
+    return data, found
+
+
+def test_a_fake_transfer_backend_is_refused(clusters: dict[str, EnginePair], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    pair = clusters["fake_backend"]
+    data, checks = _checks(tmp_path, pair)
+    assert checks[("prefill", "transfer_backend")]["result"] == "fail"
+    assert checks[("prefill", "transfer_backend")]["value"].startswith("fake")
+    assert checks[("decode", "transfer_backend")]["result"] == "fail"  # the two roles differ
+    assert not data["ok"] and data["models"][0]["verdict"] == "refuse"
+    assert run_preflight(load_config(_config(tmp_path, pair)), as_json=False) == 1
+    printed = capsys.readouterr().out
+    assert "transfer_backend" in printed and "FAIL (refuse)" in printed and printed.rstrip().endswith("above")
+
+
+def test_version_skew_is_warned_and_refused_under_refuse(clusters: dict[str, EnginePair], tmp_path: Path) -> None:
+    pair = clusters["version_skew"]
+    data, checks = _checks(tmp_path, pair)
+    assert checks[("prefill", "version_skew")]["result"] == "fail"
+    assert checks[("prefill", "version_skew")]["value"] == "0.5.22 vs 0.5.23 on the other role"
+    assert data["ok"] and data["models"][0]["verdict"] == "warn"
+    strict, _ = _checks(tmp_path, pair, deployment_checks={"version_skew": "refuse"})
+    assert not strict["ok"] and strict["models"][0]["verdict"] == "refuse"
+
+
+def test_a_checksum_mismatch_between_the_roles_is_reported_and_keeps_the_workers_out(
+        clusters: dict[str, EnginePair], tmp_path: Path) -> None:
+    pair = clusters["checksum_mismatch"]
+    data, checks = _checks(tmp_path, pair)
+    assert checks[("prefill", "kv_checksum_match")]["value"] == "true vs false on the other role"
+    assert checks[("decode", "kv_checksum_match")]["result"] == "fail" and not data["ok"]
+    config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode])],
+                          gate={"start_anyway": True})
+    with running_gateway(config) as gateway:
+        ready = httpx.get(gateway.url + "/readyz", timeout=10)
+        assert ready.status_code == 503 and "kv_checksum_match: fail" in json.dumps(ready.json())
+        metrics = httpx.get(gateway.url + "/metrics", timeout=10).text
+        assert ('kvgate_worker_check{check="kv_checksum_match",model="glm-5",result="fail",role="prefill",'
+                f'worker="{pair.prefill.url}"}} 1.0') in metrics
+
+
+def test_an_unbounded_mooncake_batch_is_flagged_when_exposed_and_unverified_when_not(
+        clusters: dict[str, EnginePair], tmp_path: Path) -> None:
+    data, exposed = _checks(tmp_path, clusters["exposed_unbounded"])
+    assert exposed[("prefill", "transfer_batch_bound")]["result"] == "fail"
+    assert exposed[("prefill", "transfer_batch_bound")]["value"] == "0 (default: one unbounded batch)"
+    assert exposed[("decode", "release_timeout")]["result"] == "pass"  # 30 s default ≥ 30 s stated
+    assert exposed[("decode", "deferred_kv_release")]["value"] == "true (default)"
+    assert data["ok"]  # warn by default
+    hidden_data, hidden = _checks(tmp_path, clusters["hidden_unbounded"])
+    assert hidden[("prefill", "transfer_batch_bound")]["result"] == "unverified"
+    assert hidden[("decode", "release_timeout")]["result"] == "unverified" and hidden_data["ok"]
+    required, _ = _checks(tmp_path, clusters["hidden_unbounded"],
+                          deployment_checks={"require_verified_transfer_settings": True})
+    assert not required["ok"]
+
+
+def test_preflight_table_and_json_for_a_passing_cluster(clusters: dict[str, EnginePair], tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    config = load_config(_config(tmp_path, clusters["good"], deployment_checks={
+        "require_verified_transfer_settings": True, "transfer_timeout_s": 20}))
+    assert run_preflight(config, as_json=True) == 0
+    data = json.loads(capsys.readouterr().out)
+    results = {(w["role"], c["check"]): c["result"] for w in data["models"][0]["workers"] for c in w["checks"]}
+    assert set(results.values()) == {"pass"} and len(results) == 14
+    assert run_preflight(config, as_json=False) == 0
+    table = capsys.readouterr().out
+    assert "deployment checks:" in table and re.search(r"prefill .* transfer_batch_bound +PASS +256 ", table)
+    assert table.rstrip().endswith("passes the deployment checks")
+
+
+def test_the_admin_api_lists_each_workers_checks(clusters: dict[str, EnginePair], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGATE_TEST_ADMIN_TOKEN", "t")
+    pair = clusters["version_skew"]
+    config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode])],
+                          admin={"token_env": "KVGATE_TEST_ADMIN_TOKEN"})
+    with running_gateway(config) as gateway:
+        workers = httpx.get(gateway.url + "/admin/workers", headers={"authorization": "Bearer t"}).json()["workers"]
+    prefill = next(w for w in workers if w["role"] == "prefill")
+    skew = next(c for c in prefill["checks"] if c["check"] == "version_skew")
+    assert skew == {"check": "version_skew", "result": "fail", "value": "0.5.22 vs 0.5.23 on the other role",
+                    "safe": "the same version on prefill and decode", "policy": "warn"}
+    assert prefill["in_rotation"]  # warn: reported, still serving
+
+
+def test_the_emulator_exposes_only_the_variables_set_explicitly_and_never_mooncakes_own(tmp_path: Path) -> None:
+    env = ["SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES=64", "MC_TRANSFER_TIMEOUT=30"]
+    with start_pair(prefill_pool=4096, decode_pool=4096, context_length=2048, version="0.5.23",
+                    prefill_opts={"expose_env_vars": True, "env": env, "transfer_backend": "mooncake_tcp"}) as pair:
+        info = httpx.get(pair.prefill.url + "/server_info", timeout=10).json()
+        assert info["internal_states"][0]["env_vars"] == {"SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES": "64"}
+        assert info["disaggregation_transfer_backend"] == "mooncake"  # resolved, as ServerArgs.resolved_dict()
+        assert "env_vars" not in httpx.get(pair.decode.url + "/server_info", timeout=10).json()["internal_states"][0]
