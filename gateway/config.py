@@ -171,6 +171,7 @@ class DeploymentChecksConfig(_Strict):
     release_timeout: CheckAction = Field("warn", description="decode's release timeout below transfer_timeout_s")
     metrics_enabled: CheckAction = Field("warn", description="engine started without --enable-metrics")
     require_verified_transfer_settings: bool = Field(False, description="treat unverified (not exposed) as failed")
+    require_kv_checksum: bool = Field(False, description="every worker must run with the KV checksum on")
     transfer_timeout_s: float = Field(30.0, gt=0, description="the longest KV transfer you expect (Mooncake's "
                                                                "MC_TRANSFER_TIMEOUT, which SGLang does not expose)")
 

@@ -93,8 +93,7 @@ def table(judgements: list[ModelJudgement]) -> str:
                      f"policy {model['policy']} -> {model['verdict'].upper()}")
         lines.extend(_aligned(rows))
         checks = [("ROLE", "WORKER", "CHECK", "RESULT", "VALUE", "SAFE")] + [
-            (w["role"], w["url"], c["check"], c["result"].upper() + ("" if c["result"] != "fail" else
-                                                                       f" ({c['policy']})"), c["value"], c["safe"])
+            (w["role"], w["url"], c["check"], _result_cell(c, w), c["value"], c["safe"])
             for w in model["workers"] for c in w["checks"]]
         if len(checks) > 1:
             lines.append("  deployment checks:")
@@ -110,6 +109,17 @@ def table(judgements: list[ModelJudgement]) -> str:
     lines.append("PASS: every model fits its engines' KV pools and passes the deployment checks" if data["ok"]
                  else "FAIL: see the models above")
     return "\n".join(lines)
+
+
+def _result_cell(check: dict[str, Any], worker: dict[str, Any]) -> str:
+    """FAIL (refuse|warn), UNVERIFIED (required) when that fails the worker, else the result."""
+    result = check["result"].upper()
+    if check["result"] == "fail":
+        return f"{result} ({check['policy']})"
+    if check["result"] == "unverified" and any(p.startswith(check["check"] + ":") and p.endswith("required")
+                                               for p in worker["problems"]):
+        return f"{result} (required)"
+    return result
 
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from routing.engine_info import Reading
-from routing.deployment_checks import CheckOutcome, check_worker
+from routing.deployment_checks import TRANSFER_SETTINGS, CheckOutcome, check_worker
 from routing.engines.identity import EngineIdentity, version_tuple
 from routing.specs import ModelSpec
 from routing.workers import Worker
@@ -145,16 +145,17 @@ def safe_prompt_limit(role: str, identity: EngineIdentity) -> int:
 def _check_deployment(model: ModelSpec, judgements: list[WorkerJudgement]) -> None:
     """The transfer-safety and version checks, each worker against the model's workers of the other role."""
     identities = [(j, _identity(j)) for j in judgements]
+    fleet = [i for _, i in identities if i is not None]
     policy = model.checks
     for judgement, identity in identities:
         if identity is None:
             continue
-        others = [i for j, i in identities if i is not None and j.worker.role != judgement.worker.role]
-        judgement.checks = check_worker(judgement.worker.role, identity, others, policy)
+        judgement.checks = check_worker(judgement.worker.role, identity, fleet, policy)
         for outcome in judgement.checks:
             if outcome.result == "fail":
                 (judgement.problems if outcome.policy == "refuse" else judgement.warnings).append(outcome.text())
-            elif outcome.result == "unverified" and policy.require_verified_transfer_settings:
+            elif outcome.result == "unverified" and outcome.check in TRANSFER_SETTINGS \
+                    and policy.require_verified_transfer_settings:
                 judgement.problems.append(outcome.text() + " — verified transfer settings are required")
 
 

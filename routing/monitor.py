@@ -118,8 +118,7 @@ class WorkerMonitor:
         judgement = judge_model(spec, readings, startup=startup)
         for verdict in judgement.workers:
             info = verdict.reading.info
-            if verdict.checks:
-                verdict.worker.note_checks(verdict.checks)
+            verdict.worker.note_checks(verdict.checks)  # none when it could not be read: nothing stale stays
             if verdict.problems:
                 verdict.worker.refuse("; ".join(verdict.problems))
             elif info is not None:

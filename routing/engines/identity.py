@@ -7,10 +7,29 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 
 def version_tuple(version: str) -> tuple[int, ...]:
     """"0.5.22rc1+cu128" → (0, 5, 22)."""
     return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def release_at_least(version: str, release: tuple[int, ...]) -> bool | None:
+    """Whether `version` is that release or later; None for a pre-release or dev build of exactly that release, or a
+    version that cannot be parsed (defaults that changed in it cannot be assumed)."""
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return None
+    if parsed.release[:len(release)] == release and (parsed.is_prerelease or parsed.is_devrelease):
+        return None
+    return parsed.release >= release
+
+
+def same_release(a: str, b: str) -> bool:
+    """Equal versions, a local build tag (+cu128) aside."""
+    return a.split("+")[0].strip() == b.split("+")[0].strip()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,16 +78,37 @@ def parse_identity(info: Any) -> EngineIdentity:
     )
 
 
+# The environment variables the deployment checks read; only these are kept (an identity must not change with others).
+CHECKED_ENV = ("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE",
+               "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT",
+               "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL")
+RANKS_DISAGREE = "<ranks disagree>"
+
+
 def _transfer_settings(info: dict[str, Any]) -> TransferSettings:
     checksum, policy, metrics = (info.get(key) for key in ("disaggregation_enable_kv_checksum",
                                                            "disaggregation_decode_allocation_policy", "enable_metrics"))
-    env: tuple[tuple[str, str], ...] | None = None
-    for state in info.get("internal_states") or ():
-        if isinstance(state, dict) and isinstance(state.get("env_vars"), dict):
-            env = tuple(sorted((str(k), str(v)) for k, v in state["env_vars"].items()))
-            break
     backend = info.get("disaggregation_transfer_backend")
     return TransferSettings(backend=str(backend) if backend is not None else None,
                             kv_checksum=checksum if isinstance(checksum, bool) else None,
                             decode_allocation_policy=str(policy) if policy is not None else None,
-                            metrics_enabled=metrics if isinstance(metrics, bool) else None, env_vars=env)
+                            metrics_enabled=metrics if isinstance(metrics, bool) else None,
+                            env_vars=_exposed_env(info.get("internal_states")))
+
+
+def _exposed_env(states: Any) -> tuple[tuple[str, str], ...] | None:
+    """The checked variables as every data-parallel rank exposes them; None unless every rank exposes its
+    environment (SGLANG_EXPOSE_OWN_ENV_VARS=1); a variable the ranks disagree on reads RANKS_DISAGREE."""
+    if not isinstance(states, list) or not states:
+        return None
+    ranks = [state.get("env_vars") for state in states if isinstance(state, dict)]
+    if len(ranks) != len(states) or not all(isinstance(env, dict) for env in ranks):
+        return None
+    merged = []
+    for name in CHECKED_ENV:
+        values = {str(env[name]) for env in ranks if env.get(name) is not None}
+        present = sum(1 for env in ranks if env.get(name) is not None)
+        if present == 0:
+            continue
+        merged.append((name, values.pop() if len(values) == 1 and present == len(ranks) else RANKS_DISAGREE))
+    return tuple(merged)

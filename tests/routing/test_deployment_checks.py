@@ -32,7 +32,7 @@ def _identity(role: str, version: str = "0.5.23", **settings: Any) -> EngineIden
 
 
 def _results(role: str, identity: EngineIdentity, other: EngineIdentity, **policy: Any) -> dict[str, str]:
-    return {c.check: c.result for c in check_worker(role, identity, [other], CheckPolicy(**policy))}
+    return {c.check: c.result for c in check_worker(role, identity, [identity, other], CheckPolicy(**policy))}
 
 
 def test_each_check_reads_its_setting_and_says_unverified_when_it_cannot() -> None:
@@ -51,8 +51,45 @@ def test_each_check_reads_its_setting_and_says_unverified_when_it_cannot() -> No
     assert _results("decode", short, _identity("prefill"), transfer_timeout_s=15)["release_timeout"] == "pass"
     old = _results("decode", _identity("decode", version="0.5.8", kv_checksum=None, decode_allocation_policy=None),
                    _identity("prefill", version="0.5.8", kv_checksum=None, decode_allocation_policy=None))
-    assert old["deferred_kv_release"] == "fail" and old["kv_checksum_match"] == "unverified"
+    assert old["deferred_kv_release"] == "fail" and old["kv_checksum_match"] == "pass"  # neither has a checksum
     assert _results("prefill", _identity("prefill", metrics_enabled=False), decode)["metrics_enabled"] == "fail"
+
+
+def test_values_are_read_as_sglang_reads_them() -> None:
+    prefill = _identity("prefill")
+    for raw, result in (("n", "fail"), ("No", "fail"), ("0", "fail"), (" false ", "pass"), ("off", "pass"),
+                        ("y", "pass"), ("<ranks disagree>", "fail")):
+        decode = _identity("decode", env_vars=(("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", raw),))
+        assert _results("decode", decode, prefill)["deferred_kv_release"] == result, raw  # EnvBool: exact spellings
+    for raw, result in (("inf", "fail"), ("nan", "fail"), ("45", "pass")):
+        decode = _identity("decode", env_vars=(("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", raw),))
+        assert _results("decode", decode, prefill)["release_timeout"] == result, raw
+    bound = (("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", "64"),)
+    assert _results("prefill", _identity("prefill", backend="MOONCAKE_TCP", env_vars=bound),
+                    _identity("decode"))["transfer_batch_bound"] == "pass"  # normalised, then bounded
+    assert _results("prefill", _identity("prefill", backend="nixl", env_vars=()),
+                    _identity("decode", backend="nixl"))["transfer_batch_bound"] == "unverified"  # nothing to read
+    nvlink = (*bound, ("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "INTRA_NODE_NVLINK"))
+    assert _results("prefill", _identity("prefill", env_vars=nvlink), _identity("decode"))["transfer_batch_bound"] \
+        == "pass"
+    assert _results("prefill", _identity("prefill", version="0.5.22rc1"), _identity("decode", version="0.5.22rc1"))[
+        "deferred_kv_release"] == "unverified"  # a pre-release's default is not the release's
+    assert _results("prefill", _identity("prefill", version="0.5.23+cu128"), _identity("decode"))[
+        "version_skew"] == "pass"
+    newer = _identity("decode", kv_checksum=True)
+    old = _identity("prefill", version="0.5.8", kv_checksum=None, decode_allocation_policy=None)
+    assert _results("decode", newer, old)["kv_checksum_match"] == "fail"  # 0.5.8 computes none: they differ
+    assert _results("prefill", prefill, _identity("decode"), require_kv_checksum=True)["kv_checksum_match"] == "fail"
+
+
+def test_one_worker_that_differs_is_the_one_that_fails() -> None:
+    good_p, good_d = _identity("prefill"), _identity("decode")
+    odd = _identity("decode", backend="nixl")
+    fleet = [good_p, _identity("prefill"), good_d, odd]
+    results = {id(i): {c.check: c.result for c in check_worker(i.disaggregation_mode, i, fleet, CheckPolicy())}
+               for i in fleet}
+    assert results[id(odd)]["transfer_backend"] == "fail"
+    assert all(results[id(i)]["transfer_backend"] == "pass" for i in (good_p, good_d))
 
 
 def test_every_policy_in_the_yaml_reaches_the_gate(tmp_path: Path) -> None:
@@ -63,7 +100,8 @@ def test_every_policy_in_the_yaml_reaches_the_gate(tmp_path: Path) -> None:
 
     names = ("deferred_kv_release", "transfer_batch_bound", "release_timeout", "metrics_enabled")
     entry = model_entry("glm-5", [], [], max_prompt_tokens=4000,
-                        deployment_checks={**dict.fromkeys(names, "refuse"), "transfer_timeout_s": 45})
+                        deployment_checks={**dict.fromkeys(names, "refuse"), "transfer_timeout_s": 45,
+                                           "require_kv_checksum": True})
     entry.update(prefill=[{"url": "http://p:1"}], decode=[{"url": "http://d:1"}])
     path = write_config(tmp_path, [entry])
     spec = model_spec(load_config(path).models[0])
@@ -74,7 +112,8 @@ def test_every_policy_in_the_yaml_reaches_the_gate(tmp_path: Path) -> None:
                                                                                          metrics_enabled=False), None))}
     judgement = judge_model(spec, readings, startup=True)
     refused = {p.split(":")[0] for w in judgement.workers for p in w.problems}
-    assert refused == set(names)  # each one, set to refuse, keeps the workers out (release timeout: 30 s < 45 s)
+    # each one, set to refuse, keeps the workers out (release timeout: 30 s < 45 s; the checksum is off)
+    assert refused == {*names, "kv_checksum_match"}
     assert judgement.verdict == "refuse"
 
 
@@ -132,7 +171,7 @@ def test_version_skew_is_warned_and_refused_under_refuse(clusters: dict[str, Eng
     pair = clusters["version_skew"]
     data, checks = _checks(tmp_path, pair)
     assert checks[("prefill", "version_skew")]["result"] == "fail"
-    assert checks[("prefill", "version_skew")]["value"] == "0.5.22 vs 0.5.23 on the other role"
+    assert checks[("prefill", "version_skew")]["value"] == "0.5.22 vs 0.5.23 elsewhere in the model"
     assert data["ok"] and data["models"][0]["verdict"] == "warn"
     strict, _ = _checks(tmp_path, pair, deployment_checks={"version_skew": "refuse"})
     assert not strict["ok"] and strict["models"][0]["verdict"] == "refuse"
@@ -142,7 +181,7 @@ def test_a_checksum_mismatch_between_the_roles_is_reported_and_keeps_the_workers
         clusters: dict[str, EnginePair], tmp_path: Path) -> None:
     pair = clusters["checksum_mismatch"]
     data, checks = _checks(tmp_path, pair)
-    assert checks[("prefill", "kv_checksum_match")]["value"] == "true vs false on the other role"
+    assert checks[("prefill", "kv_checksum_match")]["value"] == "true vs false elsewhere in the model"
     assert checks[("decode", "kv_checksum_match")]["result"] == "fail" and not data["ok"]
     config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode])],
                           gate={"start_anyway": True})
@@ -194,8 +233,8 @@ def test_the_admin_api_lists_each_workers_checks(clusters: dict[str, EnginePair]
         workers = httpx.get(gateway.url + "/admin/workers", headers={"authorization": "Bearer t"}).json()["workers"]
     prefill = next(w for w in workers if w["role"] == "prefill")
     skew = next(c for c in prefill["checks"] if c["check"] == "version_skew")
-    assert skew == {"check": "version_skew", "result": "fail", "value": "0.5.22 vs 0.5.23 on the other role",
-                    "safe": "the same version on prefill and decode", "policy": "warn"}
+    assert skew == {"check": "version_skew", "result": "fail", "value": "0.5.22 vs 0.5.23 elsewhere in the model",
+                    "safe": "the same SGLang version on every prefill and decode", "policy": "warn"}
     assert prefill["in_rotation"]  # warn: reported, still serving
 
 
