@@ -1,13 +1,13 @@
 """The admin API: workers (list, add, drain, remove) and configuration reload, behind a bearer token.
 
 The token is read from the environment variable that `admin.token_env` names, at each request (so it can be rotated
-by restarting nothing but the secret's mount); without one the API answers 403. Every answer carries x-request-id."""
+by restarting nothing but the secret's mount); without one the API answers 403. Every answer carries x-request-id
+(added by the app, as on every route)."""
 
 from __future__ import annotations
 
 import hmac
 import os
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -26,8 +26,7 @@ if TYPE_CHECKING:
 
 
 def _answer(status: int, payload: Any) -> Response:
-    return Response(orjson.dumps(payload), status_code=status, media_type="application/json",
-                    headers={"x-request-id": uuid.uuid4().hex})
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")  # + x-request-id
 
 
 def _error(status: int, message: str, code: str) -> Response:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import time
 import traceback
+import uuid
 
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.admin import AdminApi
+from gateway.admission.requests import reject_unknown_model
 from gateway.config import GatewayConfig
 from gateway.proxy import GenerateEndpoint
 from gateway.runtime import Gateway, GateRefused
@@ -36,6 +39,8 @@ class GatewayApp:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
+        if scope["type"] == "http":
+            send = _with_request_id(scope, send)
         endpoint = self.endpoints.get(scope["path"]) if scope["type"] == "http" else None
         if endpoint is None:
             await self.app(scope, receive, send)
@@ -61,6 +66,24 @@ class GatewayApp:
         await send({"type": "lifespan.shutdown.complete"})
 
 
+_CLIENT_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:/+=-]{1,128}$")
+
+
+def _with_request_id(scope: Scope, send: Send) -> Send:
+    """Every answer carries x-request-id: the client's own when it sent a sane one (bounded, no separators that
+    could split a log line or a header), else a new one. The request keeps it in scope for logs and engines."""
+    sent = next((value for name, value in scope["headers"] if name == b"x-request-id"), None)
+    request_id = sent if sent is not None and _CLIENT_REQUEST_ID.match(sent) else uuid.uuid4().hex.encode()
+    scope["kvgate.request_id"] = request_id.decode()
+
+    async def stamped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
+        await send(message)
+
+    return stamped
+
+
 def create_app(config: GatewayConfig, gateway: Gateway | None = None, *,
                config_path: str | None = None) -> GatewayApp:
     gateway = gateway or Gateway(config, config_path=config_path)
@@ -75,6 +98,16 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, *,
                          "max_prompt_tokens": limits.prompt_tokens,
                          "available": model.unavailable is None})
         return _json({"object": "list", "data": data})
+
+    async def model(request: Request) -> Response:
+        served = gateway.models.get(request.path_params["model_id"])
+        if served is None:
+            error = reject_unknown_model(request.path_params["model_id"], list(gateway.models))
+            return Response(error.json(), status_code=error.status, media_type="application/json")
+        limits = served.admission.limits
+        return _json({"id": served.name, "object": "model", "created": started, "owned_by": "kvgate",
+                      "max_model_len": served.config.context_length, "max_prompt_tokens": limits.prompt_tokens,
+                      "available": served.unavailable is None})
 
     async def healthz(_: Request) -> Response:
         return _json({"status": "alive"})
@@ -93,6 +126,7 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, *,
     routes = [
         *(Route(path, endpoint) for path, endpoint in endpoints.items()),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -86,6 +86,8 @@ class GenerateEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         record = RequestRecord(self.route)
+        if "kvgate.request_id" in scope:
+            record.request_id = scope["kvgate.request_id"]
         self.gateway.tracing.start_request(record, scope["headers"])
 
         async def observed(message: Message) -> None:
@@ -157,7 +159,8 @@ class GenerateEndpoint:
         except GatewayError as error:
             await self._refuse(send, record, error)
             return None
-        return gateway.dispatch(model, lease, admitted, key, traceparent=record.engine_traceparent)
+        return gateway.dispatch(model, lease, admitted, key, traceparent=record.engine_traceparent,
+                                request_id=record.request_id)
 
     @staticmethod
     async def _refuse(send: Send, record: RequestRecord, error: GatewayError,

@@ -99,6 +99,16 @@ def model_spec(config: ModelConfig) -> ModelSpec:
         checks=CheckPolicy(**config.deployment_checks.model_dump()))
 
 
+def _engine_headers(traceparent: str | None, request_id: str | None) -> tuple[tuple[bytes, bytes], ...]:
+    """What both engine requests carry besides the body: the trace context and the client's request id."""
+    headers = []
+    if traceparent:
+        headers.append((b"traceparent", traceparent.encode()))
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode()))
+    return tuple(headers)
+
+
 def dns_sources(config: GatewayConfig) -> list[DnsSource]:
     return [DnsSource(model.name, role, entry.name, entry.port, entry.bootstrap_port, entry.interval_s, entry.scheme)
             for model in config.models for role in ("prefill", "decode") for entry in model.dns_workers(role)]
@@ -288,7 +298,8 @@ class Gateway:
         return self.models[admitted.model], admitted
 
     def dispatch(self, model: ServedModel, lease: Lease, admitted: AdmittedRequest,
-                 key: RouteKey = NO_KEY, *, traceparent: str | None = None) -> PDExchange:
+                 key: RouteKey = NO_KEY, *, traceparent: str | None = None,
+                 request_id: str | None = None) -> PDExchange:
         assert self.engines is not None
 
         def repick(tried: Collection[Worker]) -> Lease | None:
@@ -302,7 +313,7 @@ class Gateway:
         exchange = PDExchange(self.engines, lease, admitted, timeouts=self.config.timeouts,
                               release=model.config.release, registry=self.exchanges, rooms=self.rooms,
                               on_closed=self._exchange_closed, retries=retries,
-                              engine_headers=((b"traceparent", traceparent.encode()),) if traceparent else ())
+                              engine_headers=_engine_headers(traceparent, request_id))
         exchange.start()
         return exchange
 

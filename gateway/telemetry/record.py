@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class RequestRecord:
     route: str
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the client's x-request-id, when it sent one
     started_at: float = field(default_factory=time.monotonic)
     model: str = ""  # a configured model's name, once known
     status: int = 0  # 0 until a response started (499 in metrics: the client left first)

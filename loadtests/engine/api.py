@@ -69,6 +69,7 @@ class GenerationAPI:
         room, host, port = body.get("bootstrap_room"), body.get("bootstrap_host"), body.get("bootstrap_port")
         rec.bootstrap_room, rec.bootstrap_host, rec.bootstrap_port = room, host, port
         rec.traceparent = req.headers.get("traceparent")
+        rec.request_id = req.headers.get("x-request-id")
         eng.log.add(rec)
         fault = eng.faults.take("generation", req.path, rec.rid)
         extra_first_delay = 0.0

@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from loadtests.engine.harness import EnginePair
+from tests.engine_records import generation_records, reset
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
 
 
@@ -69,3 +70,29 @@ def test_errors_surface_as_sdk_exceptions(client: openai.OpenAI) -> None:
     with pytest.raises(openai.APIStatusError) as caught:
         client.chat.completions.create(model="glm-5", messages=[{"role": "user", "content": "hi " * 9000}])
     assert caught.value.status_code == 413
+
+
+def test_models_retrieve(client: openai.OpenAI) -> None:
+    model = client.models.retrieve("glm-5")
+    assert model.id == "glm-5" and model.owned_by == "kvgate"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.status_code == 404 and "no-such-model" in str(missing.value)
+
+
+def test_every_answer_carries_a_request_id_the_clients_own_when_sane_and_engines_get_it(
+        client: openai.OpenAI, glm_pair: EnginePair) -> None:
+    reset(glm_pair.prefill, glm_pair.decode)
+    raw = client.chat.completions.with_raw_response.create(model="glm-5", messages=MESSAGES, max_tokens=1)
+    generated = raw.headers["x-request-id"]
+    assert len(generated) == 32
+    mine = client.chat.completions.with_raw_response.create(model="glm-5", messages=MESSAGES, max_tokens=1,
+                                                            extra_headers={"x-request-id": "trace-me.42"})
+    assert mine.headers["x-request-id"] == "trace-me.42"
+    assert {r["request_id"] for r in generation_records(glm_pair.prefill)} == {generated, "trace-me.42"}
+    assert {r["request_id"] for r in generation_records(glm_pair.decode)} == {generated, "trace-me.42"}
+    odd = client.models.with_raw_response.list(extra_headers={"x-request-id": "a b;c=" + "x" * 300})
+    assert odd.headers["x-request-id"] != "a b;c=" and len(odd.headers["x-request-id"]) == 32  # replaced
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="glm-5", messages=[], max_tokens=1)
+    assert refused.value.response.headers["x-request-id"]
