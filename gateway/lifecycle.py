@@ -363,13 +363,18 @@ class PDExchange:
                 raise GatewayError(503, f"{worker.role} worker {worker.url} changed while the request was admitted",
                                    code="worker_changed")
             if counted >= identity.max_req_input_len:
-                raise GatewayError(413, f"Prompt is too long: {counted} tokens counted, the {worker.role} engine now "
-                                   f"admits at most {identity.max_req_input_len - 1}.",
+                limit = identity.max_req_input_len - 1
+                raise GatewayError(413, f"This model's maximum context length is {limit} tokens for the prompt. "
+                                   f"However, your prompt resulted in {counted} tokens. Please reduce the length of "
+                                   f"the prompt. (The {worker.role} engine now admits at most {limit}.)",
                                    code="context_length_exceeded", param="messages")
             if worker.role == "decode" and counted + max(admitted.max_new_tokens,
                                                          identity.reserved_decode_tokens) > identity.pool_tokens:
-                raise GatewayError(413, f"Prompt ({counted} tokens) plus output does not fit the decode engine's KV "
-                                   f"pool of {identity.pool_tokens} tokens.", code="context_length_exceeded",
+                output = max(admitted.max_new_tokens, identity.reserved_decode_tokens)
+                raise GatewayError(413, f"This model's maximum context length is {identity.pool_tokens} tokens. "
+                                   f"However, you requested {counted + output} tokens ({counted} in the messages, "
+                                   f"{output} in the completion, as the decode engine reserves it). Please reduce the "
+                                   "length of the messages or completion.", code="context_length_exceeded",
                                    param="max_tokens")
             counts.append(counted)
         return counts[0], counts[1]

@@ -93,10 +93,13 @@ class Admission:
         worst = max(results.values(), key=lambda result: result.tokens)
         if worst.tokens > limits.prompt_tokens:
             # An early exit knows only a lower bound: it says so rather than state a count it did not make.
-            counted = f"{worst.tokens} tokens counted" if worst.exact else f"more than {limits.prompt_tokens} tokens"
+            counted = f"{worst.tokens} tokens" if worst.exact else f"more than {limits.prompt_tokens} tokens"
+            # OpenAI's wording first: clients (LiteLLM's context-window fallbacks) recognise a too-long prompt by it.
             raise context_length_exceeded(
-                f"Prompt is too long for model {self.model!r}: {counted}, the limit is {limits.prompt_tokens} prompt "
-                "tokens.", param=request.prompt_param)
+                f"This model's maximum context length is {limits.prompt_tokens} tokens for the prompt. However, your "
+                f"{_prompt_noun(request)} resulted in {counted}. Please reduce the length of the "
+                f"{_prompt_noun(request)}. (Prompt is too long for model {self.model!r}: the limit is "
+                f"{limits.prompt_tokens} prompt tokens, what the engines' KV pools hold.)", param=request.prompt_param)
         counts = {dialect: result.tokens for dialect, result in results.items()}
         max_new = self._output_tokens(request, worst.tokens)
         fields = dict(request.fields)
@@ -137,21 +140,27 @@ class Admission:
         if limits.decode_pool_tokens is not None:
             room = min(room, limits.decode_pool_tokens - prompt_tokens)
         requested = request.max_tokens
+        maximum = limits.context_length - 1
+        if limits.decode_pool_tokens is not None:
+            maximum = min(maximum, limits.decode_pool_tokens)
         if requested is None:
             if room < 1:
                 raise context_length_exceeded(
-                    f"Prompt of {prompt_tokens} tokens leaves no room for output in model {self.model!r} "
-                    f"(context length {limits.context_length} tokens).", param=request.prompt_param)
+                    f"This model's maximum context length is {maximum} tokens. However, your "
+                    f"{_prompt_noun(request)} resulted in {prompt_tokens} tokens, which leaves no room for the "
+                    "completion. Please reduce the length of the messages.", param=request.prompt_param)
             return min(limits.default_output_tokens, room)
         if limits.max_output_tokens is not None and requested > limits.max_output_tokens:
             raise bad_request(f"max_tokens is {requested}; model {self.model!r} allows at most "
                               f"{limits.max_output_tokens} output tokens", param="max_tokens")
         if requested > room:
+            pool = (f" (the decode engines' KV pool holds {limits.decode_pool_tokens} tokens)"
+                    if limits.decode_pool_tokens is not None and limits.decode_pool_tokens < limits.context_length - 1
+                    else "")
             raise context_length_exceeded(
-                f"Prompt ({prompt_tokens} tokens) plus requested output ({requested} tokens) does not fit model "
-                f"{self.model!r}: context length is {limits.context_length} tokens"
-                + (f", decode KV pool is {limits.decode_pool_tokens} tokens" if limits.decode_pool_tokens else "")
-                + ".", param="max_tokens")
+                f"This model's maximum context length is {maximum} tokens{pool}. However, you requested "
+                f"{prompt_tokens + requested} tokens ({prompt_tokens} in the {_prompt_noun(request)}, {requested} in "
+                "the completion). Please reduce the length of the messages or completion.", param="max_tokens")
         return requested
 
     # ── counting ────────────────────────────────────────────────────────────────────────────────────────────
@@ -230,6 +239,10 @@ class Admission:
         for token in ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 raise bad_request(f"token ids must be integers in [0, {vocab}); got {token!r}")
+
+
+def _prompt_noun(request: ClientRequest) -> str:
+    return "messages" if isinstance(request.prompt, ChatPrompt) else "prompt"
 
 
 async def _maybe_off_loop(function: Callable[..., T], *args: Any, large: bool) -> T:

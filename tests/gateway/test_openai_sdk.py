@@ -96,3 +96,17 @@ def test_every_answer_carries_a_request_id_the_clients_own_when_sane_and_engines
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="glm-5", messages=[], max_tokens=1)
     assert refused.value.response.headers["x-request-id"]
+
+
+def test_both_413s_speak_openais_context_length_language(client: openai.OpenAI) -> None:
+    """Clients (LiteLLM's context-window fallbacks) recognise a too-long request by OpenAI's wording: both the prompt
+    over the limit and prompt + max_tokens over the context say it, with code context_length_exceeded. The SDK has
+    no class of its own for 413: it raises APIStatusError with status_code 413."""
+    long_prompt = [{"role": "user", "content": "word " * 9000}]
+    for messages, max_tokens in ((long_prompt, 1), (MESSAGES, 8190)):
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(model="glm-5", messages=messages, max_tokens=max_tokens)
+        error = refused.value
+        assert error.status_code == 413 and error.code == "context_length_exceeded"
+        assert "This model's maximum context length is" in error.message
+    assert "However, you requested" in error.message and "in the completion" in error.message

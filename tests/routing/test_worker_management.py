@@ -146,7 +146,7 @@ def test_a_reload_adds_a_worker_and_changes_a_limit_without_dropping_a_stream(tr
         assert any("added" in change for change in reloaded.json()["changes"])
         long_prompt = {**CHAT, "messages": [{"role": "user", "content": "word " * 60}]}
         too_long = httpx.post(gateway.url + "/v1/chat/completions", json=long_prompt, timeout=30)
-        assert too_long.status_code == 413 and "the limit is 40" in too_long.json()["error"]["message"]
+        assert too_long.status_code == 413 and "maximum context length is 40" in too_long.json()["error"]["message"]
         assert httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
         assert generation_records(trio.decodes[1])  # the stream keeps decode 0 busy: the new decode served it
         thread.join(timeout=30)
