@@ -17,6 +17,7 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.admin import AdminApi
 from gateway.admission.requests import reject_unknown_model
 from gateway.config import GatewayConfig
+from gateway.tokenize_api import TokenizeApi
 from gateway.proxy import GenerateEndpoint
 from gateway.runtime import Gateway, GateRefused
 
@@ -131,5 +132,6 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, *,
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         *AdminApi(gateway).routes(),
+        *TokenizeApi(gateway).routes(),
     ]
     return GatewayApp(gateway, Starlette(routes=routes), endpoints)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -110,3 +111,24 @@ def test_both_413s_speak_openais_context_length_language(client: openai.OpenAI) 
         assert error.status_code == 413 and error.code == "context_length_exceeded"
         assert "This model's maximum context length is" in error.message
     assert "However, you requested" in error.message and "in the completion" in error.message
+
+
+def test_tokenize_counts_as_admission_does_and_detokenize_inverts_it(gateway: RunningGateway,
+                                                                     client: openai.OpenAI,
+                                                                     glm_pair: EnginePair) -> None:
+    prompt = "Once upon a time 你好 😀 <|user|>"
+    answer = httpx.post(gateway.url + "/v1/tokenize", json={"model": "glm-5", "prompt": prompt}, timeout=10).json()
+    completion = client.completions.create(model="glm-5", prompt=prompt, max_tokens=1)
+    assert answer["count"] == len(answer["tokens"]) == completion.usage.prompt_tokens  # the engine's own count
+    assert answer["max_model_len"] == 8192 and answer["max_prompt_tokens"] > 0
+    many = httpx.post(gateway.url + "/tokenize", json={"prompt": [prompt, "hi"], "add_special_tokens": False},
+                      timeout=10).json()
+    assert many["count"][0] == len(many["tokens"][0]) and len(many["count"]) == 2
+    text = httpx.post(gateway.url + "/v1/detokenize", json={"model": "glm-5", "tokens": answer["tokens"]},
+                      timeout=10).json()["text"]
+    assert prompt in text
+    bad = httpx.post(gateway.url + "/v1/tokenize", json={"model": "glm-5", "prompt": 5}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    unknown = httpx.post(gateway.url + "/v1/detokenize", json={"model": "nope", "tokens": [1]}, timeout=10)
+    assert unknown.status_code == 404
+    assert httpx.post(gateway.url + "/v1/detokenize", json={"tokens": [-1]}, timeout=10).status_code == 400
