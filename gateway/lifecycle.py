@@ -243,6 +243,9 @@ class PDExchange:
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.prompt_tokens = self._count_for(pair.prefill)
         self._release_verified = release == "verified"
+        # /generate with return_logprob: only the prefill has the prompt's logprobs; they are prepended to every
+        # decode event's, as SGLang's router does (merge_logprobs_in_json), so decode waits for prefill's answer.
+        self._prompt_logprobs: list[Any] | None = None
         self._released = False
         self._held: list[bytes] = []
         self._prefill_ok = False
@@ -512,7 +515,7 @@ class PDExchange:
         if self.client_gone:
             return
         if self._released:
-            self.events.put_nowait(payload)
+            self.events.put_nowait(self._merged(payload))
         else:
             self._held.append(payload)
             self._maybe_release()
@@ -520,15 +523,29 @@ class PDExchange:
     def _maybe_release(self) -> None:
         if self.failure is not None or self.client_gone:
             return
-        if not self._released and (not self._release_verified
-                                   or (self._prefill_ok and (self._decode_counted or self._decode_finished))):
+        waits_for_prefill = self._release_verified or self.admitted.merge_logprobs
+        if not self._released and (not waits_for_prefill
+                                   or (self._prefill_ok and (self._decode_counted or self._decode_finished
+                                                             or not self._release_verified))):
             self._released = True
             for payload in self._held:
-                self.events.put_nowait(payload)
+                self.events.put_nowait(self._merged(payload))
             self._held.clear()
         if self._released and self._decode_finished and self._prefill_ok and not self._done:
             self._done = True
             self.events.put_nowait(Done())
+
+    def _merged(self, payload: bytes) -> bytes:
+        """A decode event with the prefill's prompt logprobs in front of its own (only when asked for)."""
+        if self._prompt_logprobs is None:
+            return payload
+        event = orjson.loads(payload)
+        meta = event.get("meta_info") if isinstance(event, dict) else None
+        if not isinstance(meta, dict):
+            return payload
+        own = meta.get("input_token_logprobs")
+        meta["input_token_logprobs"] = [*self._prompt_logprobs, *(own if isinstance(own, list) else ())]
+        return orjson.dumps(event)
 
     def _verify_count(self, role: str, worker: Worker, reported: int | None, expected: int) -> None:
         if reported == expected:
@@ -551,6 +568,10 @@ class PDExchange:
             self._settle_prefill()
             result = _parse_result("prefill", payload)
             self._verify_count("prefill", worker, _reported_prompt_tokens(self.admitted.route, result), expected)
+            if self.admitted.merge_logprobs:
+                meta = result.get("meta_info")
+                logprobs = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+                self._prompt_logprobs = logprobs if isinstance(logprobs, list) else []
             self._prefill_ok = True
             self._judge(worker, None)
             self._maybe_release()

@@ -57,6 +57,7 @@ class AdmittedRequest:
     max_new_tokens: int
     usage: UsageOptions
     prefix_hash: int | None = None  # the prompt's first token ids (and cache_salt), for prefix affinity
+    merge_logprobs: bool = False  # /generate with return_logprob: prefill's prompt logprobs go into decode's answer
 
     def prompt_tokens_for(self, engine_version: str) -> int | None:
         """The gateway's count as an engine of that version renders the prompt (None: not counted for it)."""
@@ -110,7 +111,8 @@ class Admission:
         body = await _maybe_off_loop(orjson.dumps, fields, large=off_loop)
         prefix = self._prefix_hash(head, request.cache_salt) if self.prefix_tokens else None
         return AdmittedRequest(request.route, self.model, request.stream, body, counts, max_new, request.usage,
-                               prefix)
+                               prefix, merge_logprobs=request.route == "/generate"
+                               and fields.get("return_logprob") is True)
 
     def _prefix_hash(self, head: PromptHead, salt: str | None) -> int:
         """A hash of the prompt's first `prefix_tokens` token ids as the engine sees them, and of cache_salt."""

@@ -26,6 +26,12 @@ class PromptSpec:
     include_usage: bool = False  # stream_options.include_usage: a final chunk with the usage
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on the content chunks
     model: str = "default"
+    return_logprob: bool = False  # /generate: meta_info carries input_/output_token_logprobs
+
+
+def fake_logprob(token_id: int) -> float:
+    """A deterministic stand-in for a token's log-probability."""
+    return -((token_id % 997) + 1) / 100
 
 
 def sse(obj: Any) -> bytes:
@@ -50,7 +56,8 @@ def reported_prompt_tokens(gen: Any) -> int:
 
 
 class StreamState:
-    __slots__ = ("rid", "created", "model", "ids", "text", "include_usage", "continuous_usage", "gen", "frame")
+    __slots__ = ("rid", "created", "model", "ids", "text", "include_usage", "continuous_usage", "gen", "frame",
+                 "return_logprob")
 
     def __init__(self, gen: Any, spec: PromptSpec) -> None:
         self.gen = gen
@@ -61,6 +68,7 @@ class StreamState:
         self.text = ""
         self.include_usage = spec.include_usage
         self.continuous_usage = spec.continuous_usage
+        self.return_logprob = spec.return_logprob
         self.frame: tuple[bytes, ...] | None = None  # cached chunk bytes around the per-token parts
 
 
@@ -106,7 +114,8 @@ class NativeFormat(Format):
         max_new = sp.get("max_new_tokens")
         if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0):
             raise ValueError("max_new_tokens must be a non-negative integer")
-        spec = PromptSpec(max_new=max_new, stream=bool(body.get("stream", False)))
+        spec = PromptSpec(max_new=max_new, stream=bool(body.get("stream", False)),
+                          return_logprob=body.get("return_logprob") is True)
         if body.get("input_ids") is not None:  # input_ids win over text
             spec.input_ids = prompt_ids(body["input_ids"])
         elif isinstance(body.get("text"), str):
@@ -122,20 +131,30 @@ class NativeFormat(Format):
             return orjson.dumps({"error": {"message": msg}})
         return orjson.dumps(openai_error(status, msg, str(status)))
 
-    def _meta(self, gen: Any, finish: dict[str, Any] | None, n: int) -> dict[str, Any]:
-        return {"id": gen.rid, "finish_reason": finish, "prompt_tokens": reported_prompt_tokens(gen),
-                "weight_version": "default", "total_retractions": 0, "completion_tokens": n, "cached_tokens": 0,
+    def _meta(self, gen: Any, finish: dict[str, Any] | None, out: list[int], logprob: bool) -> dict[str, Any]:
+        meta = {"id": gen.rid, "finish_reason": finish, "prompt_tokens": reported_prompt_tokens(gen),
+                "weight_version": "default", "total_retractions": 0, "completion_tokens": len(out), "cached_tokens": 0,
                 "e2e_latency": time.time() - gen.rec.arrival}
+        if logprob:
+            # In PD only the prefill computes the prompt's logprobs (the first token has none); a router prepends
+            # them to the decode's (SGLang's router: merge_logprobs_in_json).
+            prompt = gen.input_ids if gen.rec.role == "prefill" else []
+            meta["input_token_logprobs"] = [[None if i == 0 else fake_logprob(t), t, None]
+                                            for i, t in enumerate(prompt)]
+            meta["output_token_logprobs"] = [[fake_logprob(t), t, None] for t in out]
+        return meta
 
     def ok_body(self, gen: Any, text: str, finish: dict[str, Any], spec: PromptSpec, cfg: EngineConfig) -> bytes:
         out = gen.output if finish.get("type") != "abort" else []
-        return orjson.dumps({"text": text, "output_ids": out, "meta_info": self._meta(gen, finish, len(out))})
+        return orjson.dumps({"text": text, "output_ids": out,
+                             "meta_info": self._meta(gen, finish, out, spec.return_logprob)})
 
     def stream_token(self, st: StreamState, index: int, delta: str, finish: dict[str, Any] | None) -> bytes:
         if index >= 0:  # cumulative text and output_ids, as with --stream-output off
             st.ids.append(st.gen.output[index])
             st.text += delta
-        return sse({"text": st.text, "output_ids": st.ids, "meta_info": self._meta(st.gen, finish, len(st.ids))})
+        return sse({"text": st.text, "output_ids": st.ids,
+                    "meta_info": self._meta(st.gen, finish, st.ids, st.return_logprob)})
 
     def stream_error(self, status: int, msg: str) -> bytes:
         return sse({"error": {"message": msg}})

@@ -40,11 +40,12 @@ def _event(tokens: int = COUNT, text: str = "x") -> bytes:
 class Run:
     """One exchange over fake engines, with the relay's view of it."""
 
-    def __init__(self, release: Release = "verified", timeouts: TimeoutsConfig = FAST) -> None:
+    def __init__(self, release: Release = "verified", timeouts: TimeoutsConfig = FAST,
+                 merge_logprobs: bool = False) -> None:
         prefill, decode = _worker("http://p", "prefill"), _worker("http://d", "decode")
         self.engines = FakeEngines(prefill, decode)
         admitted = AdmittedRequest("/generate", "glm-5", True, b'{"text":"hi","sampling_params":{}}',
-                                   {Dialect.V0_5_23: COUNT}, 4, UsageOptions())
+                                   {Dialect.V0_5_23: COUNT}, 4, UsageOptions(), merge_logprobs=merge_logprobs)
         self.exchange = PDExchange(self.engines, Lease(WorkerPair(prefill, decode)), admitted, timeouts=timeouts,
                                    release=release, registry=ExchangeRegistry(), rooms=RoomAllocator())
         self.prefill, self.decode = self.engines.prefill, self.engines.decode
@@ -392,4 +393,22 @@ def test_a_decode_failure_before_prefill_delivered_is_blamed_only_when_it_is_the
         decode, prefill = run.exchange.pair.decode, run.exchange.pair.prefill
         assert (decode.breaker_state is BreakerState.OPEN) is blamed
         assert prefill.breaker_state is BreakerState.CLOSED
+    _run(scenario)
+
+
+def test_with_logprobs_even_immediate_release_waits_for_the_prefills_prompt_logprobs() -> None:
+    async def scenario() -> None:
+        run = Run(release="immediate", merge_logprobs=True)
+        await run.start()
+        run.decode.accept()
+        run.decode.push(orjson.dumps({"text": "x", "meta_info": {"prompt_tokens": COUNT, "input_token_logprobs": [],
+                                                                 "output_token_logprobs": [[-0.1, 7, None]]}}))
+        await _settle()
+        assert run.relayed() == []  # the prompt's logprobs are not known yet
+        run.prefill.accept()
+        run.prefill.push(orjson.dumps({"text": "", "meta_info": {"prompt_tokens": COUNT,
+                                                                 "input_token_logprobs": [[None, 1, None]]}}), END)
+        await _settle()
+        (event,) = run.relayed()
+        assert orjson.loads(event)["meta_info"]["input_token_logprobs"] == [[None, 1, None]]
     _run(scenario)
