@@ -137,6 +137,12 @@ class Trio:
         for engine in [*self.decodes, self.prefill]:
             engine.stop()
 
+    def __enter__(self) -> Trio:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 def start_trio(**options: Any) -> Trio:
     pair = start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5", version="0.5.23",

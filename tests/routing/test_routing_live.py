@@ -22,9 +22,8 @@ CHAT = {"model": "glm-5", "messages": [{"role": "user", "content": "Say hello."}
 
 @pytest.fixture(scope="module")
 def trio() -> Iterator[Trio]:
-    engines = start_trio(token_delay_ms=2)
-    yield engines
-    engines.stop()
+    with start_trio(token_delay_ms=2) as engines:
+        yield engines
 
 
 def gateway_for(trio: Trio, directory: Path, **model: Any) -> Any:

@@ -24,9 +24,8 @@ CHAT = {"model": "glm-5", "messages": [{"role": "user", "content": "Say hello."}
 
 @pytest.fixture(scope="module")
 def trio() -> Iterator[Trio]:
-    engines = start_trio(token_delay_ms=20)
-    yield engines
-    engines.stop()
+    with start_trio(token_delay_ms=20) as engines:
+        yield engines
 
 
 @pytest.fixture
