@@ -176,6 +176,17 @@ class DeploymentChecksConfig(_Strict):
                                                                "MC_TRANSFER_TIMEOUT, which SGLang does not expose)")
 
 
+class IntegrityConfig(_Strict):
+    """Guards on output that looks like success (the incident's leak answered 200, fast)."""
+
+    max_prefill_tokens_per_s: float | None = Field(None, gt=0, description="the fastest prefill this model's engines "
+                                                                           "can do; a first token sooner than "
+                                                                           "prompt_tokens / this is implausible")
+    min_prompt_tokens: int = Field(1024, ge=1, description="shorter prompts are not judged (noise dominates)")
+    strict: bool = Field(False, description="an implausible first token fails the request (502) before any output "
+                                            "is released; otherwise it is counted and logged")
+
+
 class HealthConfig(_Strict):
     path: str = Field("/server_info", pattern=r"^/", description="checked every interval; /server_info is read and "
                                                                   "judged anyway")
@@ -204,6 +215,7 @@ class ModelConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     circuit_breaker: BreakerConfig = BreakerConfig()
     deployment_checks: DeploymentChecksConfig = DeploymentChecksConfig()
+    integrity: IntegrityConfig = IntegrityConfig()
     health: HealthConfig | None = Field(None, description="this model's workers' health checks (default: the "
                                                           "top-level health block)")
     prefill: list[PrefillEntry] = Field(min_length=1)

@@ -219,7 +219,8 @@ class PDExchange:
     def __init__(self, engines: Engines, lease: Lease, admitted: AdmittedRequest, *, timeouts: TimeoutsConfig,
                  release: Release, registry: ExchangeRegistry, rooms: RoomAllocator,
                  on_closed: Callable[[PDExchange], None] | None = None, retries: Retries | None = None,
-                 engine_headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+                 engine_headers: tuple[tuple[bytes, bytes], ...] = (),
+                 plausibility: TTFTPlausibility | None = None) -> None:
         self.engines = engines
         self._lease = lease
         self.pair = pair = lease.pair
@@ -258,6 +259,8 @@ class PDExchange:
         self._on_closed = on_closed
         self._retries = retries
         self._engine_headers = engine_headers  # e.g. the trace context, on both engine requests
+        self._plausibility = plausibility
+        self.implausible_ttft = False  # the first token came sooner than any real prefill of this prompt could
         self._judged: set[tuple[Worker, bool]] = set()  # (worker, success) outcomes already reported
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatch_task: asyncio.Task[None] | None = None
@@ -535,6 +538,26 @@ class PDExchange:
             self._done = True
             self.events.put_nowait(Done())
 
+    def _check_first_token_time(self) -> None:
+        """A first token sooner than the prompt could be prefilled: the prompt was likely not prefilled at all (the
+        incident's placeholder). Counted and logged; under `strict`, the request fails before any byte of it is out."""
+        rule = self._plausibility
+        if rule is None or self.first_token_at is None or self.prompt_tokens < rule.min_prompt_tokens:
+            return
+        floor_s = self.prompt_tokens / rule.max_prefill_tokens_per_s
+        ttft = self.first_token_at - self.started_at
+        if ttft >= floor_s:
+            return
+        self.implausible_ttft = True
+        log.error("implausible first token: rid=%s model=%s prefill=%s decode=%s prompt_tokens=%d ttft_ms=%.1f "
+                  "floor_ms=%.1f strict=%s", self.rid, self.admitted.model, self.pair.prefill.url, self.pair.decode.url,
+                  self.prompt_tokens, ttft * 1000, floor_s * 1000, rule.strict)
+        if rule.strict:
+            raise ImplausibleFirstToken(
+                f"the decode engine's first token came {ttft * 1000:.0f} ms after dispatch, sooner than a prefill of "
+                f"{self.prompt_tokens} tokens can take ({floor_s * 1000:.0f} ms at most "
+                f"{rule.max_prefill_tokens_per_s:g} tokens/s); nothing was released")
+
     def _merged(self, payload: bytes) -> bytes:
         """A decode event with the prefill's prompt logprobs in front of its own (only when asked for)."""
         if self._prompt_logprobs is None:
@@ -608,6 +631,7 @@ class PDExchange:
                 if first:
                     self.first_token_at = time.monotonic()
                     self._watchdog = IdleWatchdog(self.timeouts.idle_s, self._idle_timeout)
+                    self._check_first_token_time()
                 self._on_decode_event(data, worker, expected)
                 if first:
                     self._maybe_let_go()
@@ -631,6 +655,9 @@ class PDExchange:
             self._judge(worker, EngineBroken("decode", str(exc)))
             self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
             await _parked()  # keep the connection: `_cancel` closes it in the safe order
+        except ImplausibleFirstToken as exc:
+            self.fail(GatewayError(502, str(exc), code="implausible_ttft"))
+            await _parked()
         except EngineError as error:
             self._fail_leg(self._decode_blame(error), error)
         except asyncio.CancelledError:
@@ -668,6 +695,20 @@ class PDExchange:
         if not self._prefill_settled.is_set():
             self.prefill_settled_at = time.monotonic()
             self._prefill_settled.set()
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTPlausibility:
+    """A model's ceiling on prefill speed: a first token sooner than prompt_tokens / max_prefill_tokens_per_s is not
+    a real prefill (judged for prompts of at least `min_prompt_tokens`)."""
+
+    max_prefill_tokens_per_s: float
+    min_prompt_tokens: int = 1024
+    strict: bool = False
+
+
+class ImplausibleFirstToken(Exception):
+    """Under strict TTFT plausibility: the request must not produce output."""
 
 
 class PromptCountMismatch(Exception):

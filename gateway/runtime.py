@@ -16,7 +16,7 @@ from gateway.admission.pipeline import admit_body, build_admission, resolve_mode
 from gateway.admission.requests import Route
 from gateway.body import RequestBody
 from gateway.config import GatewayConfig, HealthConfig, ModelConfig
-from gateway.lifecycle import ExchangeRegistry, PDExchange, Retries, RoomAllocator
+from gateway.lifecycle import ExchangeRegistry, PDExchange, Retries, RoomAllocator, TTFTPlausibility
 from gateway.preflight import describe_refusal
 from gateway.telemetry.loop_lag import LoopLagProbe
 from gateway.telemetry.metrics import GatewayMetrics
@@ -97,6 +97,13 @@ def model_spec(config: ModelConfig) -> ModelSpec:
         limits=PoolLimits(limits.max_inflight_per_worker, limits.max_queue, limits.queue_timeout_s),
         breaker=BreakerSpec(breaker.failure_threshold, breaker.success_threshold, breaker.open_s),
         checks=CheckPolicy(**config.deployment_checks.model_dump()))
+
+
+def _plausibility(config: ModelConfig) -> TTFTPlausibility | None:
+    rule = config.integrity
+    if rule.max_prefill_tokens_per_s is None:
+        return None
+    return TTFTPlausibility(rule.max_prefill_tokens_per_s, rule.min_prompt_tokens, rule.strict)
 
 
 def _engine_headers(traceparent: str | None, request_id: str | None) -> tuple[tuple[bytes, bytes], ...]:
@@ -313,7 +320,8 @@ class Gateway:
         exchange = PDExchange(self.engines, lease, admitted, timeouts=self.config.timeouts,
                               release=model.config.release, registry=self.exchanges, rooms=self.rooms,
                               on_closed=self._exchange_closed, retries=retries,
-                              engine_headers=_engine_headers(traceparent, request_id))
+                              engine_headers=_engine_headers(traceparent, request_id),
+                              plausibility=_plausibility(model.config))
         exchange.start()
         return exchange
 

@@ -65,6 +65,9 @@ class GatewayMetrics:
                                      "do means the prompt was not really prefilled (the incident's placeholder)",
                                      ["model"], buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                                                          0.05, 0.1, 0.25, 1), registry=r)
+        self.implausible_ttft = Counter("kvgate_implausible_ttft", "First tokens sooner than the model's prefill "
+                                        "speed ceiling allows for the prompt (a leak that looks like success)",
+                                        ["model"], registry=r)
         self.duration = Histogram("kvgate_request_duration_seconds", "Dispatch to the exchange's end, by outcome",
                                   ["model", "outcome"], buckets=_SECONDS, registry=r)
         self.inter_token = Histogram("kvgate_inter_token_seconds", "Mean time between decode events of a request",

@@ -50,6 +50,8 @@ def observe_exchange(metrics: GatewayMetrics, exchange: PDExchange) -> None:
             metrics.inter_token.labels(model).observe((last - exchange.first_token_at) / (exchange.output_events - 1))
     if outcome != "ok":
         metrics.cancellations.labels(model, outcome).inc()
+    if exchange.implausible_ttft:
+        metrics.implausible_ttft.labels(model).inc()
     gone = exchange.client_gone_at
     if gone is not None:
         prefill_held = max(0.0, (exchange.prefill_settled_at or end) - gone)

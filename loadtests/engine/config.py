@@ -39,6 +39,7 @@ class EngineConfig:
     decode_allocation_policy: str = "early"
     expose_env_vars: bool = False  # SGLANG_EXPOSE_OWN_ENV_VARS=1: internal_states[*].env_vars lists `env`
     env: tuple[tuple[str, str], ...] = ()  # environment variables set explicitly (SGLANG_* only are reported)
+    report_pool_tokens: int | None = None  # a lying engine (tests of the integrity guards): server info claims this pool
 
     @property
     def dialect(self) -> Dialect:
@@ -51,6 +52,14 @@ class EngineConfig:
     @property
     def max_req_len(self) -> int:
         return min(self.context_length - 1, self.max_total_num_tokens - 1)
+
+    @property
+    def reported_pool_tokens(self) -> int:
+        return self.report_pool_tokens if self.report_pool_tokens is not None else self.max_total_num_tokens
+
+    @property
+    def reported_max_req_input_len(self) -> int:
+        return min(self.context_length - 1, self.reported_pool_tokens - 1) - 5
 
     @property
     def max_req_input_len(self) -> int:

@@ -79,7 +79,7 @@ class InfoAPI:
     async def server_info(self, req: Request) -> None:
         cfg = self.cfg
         body = {**server_args(cfg, self.engine.tok.path), "status": "ready",
-                "max_total_num_tokens": cfg.max_total_num_tokens, "max_req_input_len": cfg.max_req_input_len,
+                "max_total_num_tokens": cfg.reported_pool_tokens, "max_req_input_len": cfg.reported_max_req_input_len,
                 "internal_states": [self._internal_state()], "version": cfg.version}
         req.respond(200, orjson.dumps(body))
 

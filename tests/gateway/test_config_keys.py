@@ -90,6 +90,9 @@ KEY_TESTS = {
     "models.deployment_checks.require_verified_transfer_settings": "tests/routing/test_deployment_checks.py::test_an_unbounded_mooncake_batch_is_flagged_when_exposed_and_unverified_when_not",
     "models.deployment_checks.require_kv_checksum": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",
     "models.deployment_checks.transfer_timeout_s": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",
+    "models.integrity.max_prefill_tokens_per_s": "tests/gateway/test_integrity.py::test_an_implausibly_fast_first_token_is_counted_and_under_strict_nothing_is_released",
+    "models.integrity.min_prompt_tokens": "tests/gateway/test_integrity.py::test_an_implausibly_fast_first_token_is_counted_and_under_strict_nothing_is_released",
+    "models.integrity.strict": "tests/gateway/test_integrity.py::test_an_implausibly_fast_first_token_is_counted_and_under_strict_nothing_is_released",
     "models.health": "tests/routing/test_routing_live.py::test_a_killed_decode_leaves_rotation_within_the_health_thresholds_while_prefill_serves_on",
 }
 

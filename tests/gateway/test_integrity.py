@@ -1,0 +1,80 @@
+"""TTFT plausibility: a line of defence behind the KV-pool gate and verify-then-release. An engine that lies about
+its pool (`--report-pool-tokens`) gets prompts past the gate; in bug mode SGLang 0.5.8 prefills a one-token stub and
+decode answers at once with another tenant's KV. Here the prefill also reports the full prompt count (a `miscount`
+fault), so the counts agree and verify-then-release sees nothing: only the first token's timing betrays the leak —
+far sooner than the prompt could be prefilled. It is counted and logged, and under `strict` the request fails
+before any byte is released."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtests.engine.harness import EnginePair, start_pair
+from tests.engine_records import inject
+from tests.gateway_harness import model_entry, running_gateway, write_config
+
+MARKER = "ZEBRA-7731-SECRET"
+PREFILL_TOKENS_PER_S = 20_000  # the emulated prefill's real speed
+CEILING = 50_000  # what the operator states: no prefill of this model is faster
+
+
+@pytest.fixture(scope="module")
+def lying_pair() -> Iterator[EnginePair]:
+    """Prefill pool 4,096 tokens but claiming 100,000; bug mode (0.5.8); context 16,384."""
+    with start_pair(prefill_pool=4096, decode_pool=100_000, context_length=16384, model="glm-5", version="0.5.8",
+                    bug=True, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, token_delay_ms=5,
+                    prefill_opts={"report_pool_tokens": 100_000}) as pair:
+        yield pair
+
+
+def _gateway(pair: EnginePair, directory: Path, *, strict: bool, min_prompt_tokens: int = 1024) -> Any:
+    entry = model_entry("glm-5", [pair.prefill], [pair.decode], context_length=16384, min_engine_version="0.5.8",
+                        release="immediate", integrity={"max_prefill_tokens_per_s": CEILING, "strict": strict,
+                                                        "min_prompt_tokens": min_prompt_tokens})
+    directory.mkdir(exist_ok=True)
+    return running_gateway(write_config(directory, [entry]))
+
+
+def _stream(url: str, text: str) -> httpx.Response:
+    body = {"text": text, "sampling_params": {"max_new_tokens": 48}, "stream": True}
+    return httpx.post(url + "/generate", json=body, timeout=60)
+
+
+def _report_full_count(pair: EnginePair, url: str, text: str) -> None:
+    """The stub's prefill will report the whole prompt's count (its own 1 + the offset): the counts agree."""
+    count = httpx.post(url + "/v1/tokenize", json={"prompt": text}, timeout=30).json()["count"]
+    inject(pair.prefill, action="miscount", offset=count - 1, count=1, rid_prefix="kvg-")
+
+
+def _plant_marker(url: str) -> None:
+    response = _stream(url, f"Note: {MARKER} belongs to tenant A. " + "Account notes follow. " * 10)
+    assert response.status_code == 200
+
+
+def test_an_implausibly_fast_first_token_is_counted_and_under_strict_nothing_is_released(
+        lying_pair: EnginePair, tmp_path: Path) -> None:
+    over_pool = "lorem " * 12_000  # ~12,000 tokens: a real prefill takes ≥ 0.24 s at the ceiling
+    with _gateway(lying_pair, tmp_path / "report", strict=False) as gateway:
+        _plant_marker(gateway.url)
+        _report_full_count(lying_pair, gateway.url, over_pool)
+        leaked = _stream(gateway.url, over_pool)
+        metrics = httpx.get(gateway.url + "/metrics", timeout=10).text
+    assert leaked.status_code == 200 and MARKER in leaked.text  # what the guard exists for: it looked like success
+    assert 'kvgate_implausible_ttft_total{model="glm-5"} 1.0' in metrics
+    with _gateway(lying_pair, tmp_path / "strict", strict=True) as gateway:
+        _plant_marker(gateway.url)
+        _report_full_count(lying_pair, gateway.url, over_pool)
+        blocked = _stream(gateway.url, over_pool)
+        fine = _stream(gateway.url, "lorem " * 2000)  # a real prefill of 2,000 tokens: plausible, not flagged
+    assert blocked.status_code == 502 and blocked.json()["error"]["code"] == "implausible_ttft"
+    assert MARKER not in blocked.text
+    assert fine.status_code == 200 and fine.text.endswith("data: [DONE]\n\n")
+    with _gateway(lying_pair, tmp_path / "short", strict=True, min_prompt_tokens=20_000) as gateway:
+        _report_full_count(lying_pair, gateway.url, over_pool)
+        unjudged = _stream(gateway.url, over_pool)
+    assert unjudged.status_code == 200  # prompts under min_prompt_tokens are not judged
