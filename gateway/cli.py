@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     preflight = commands.add_parser("preflight", help="check every engine's KV pool against the config, then exit")
     preflight.add_argument("--config", required=True)
     preflight.add_argument("--json", action="store_true", help="machine-readable output")
+    canary = commands.add_parser("canary", help="probe tenant isolation through the gateway's own path, then exit")
+    canary.add_argument("--config", required=True)
     demo = commands.add_parser("demo", help="start an emulated prefill/decode pair and the gateway in front of it")
     demo.add_argument("--config", default=None, help="gateway YAML (default: config/demo.yaml)")
     args = parser.parse_args(argv)
@@ -29,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config(args.config)
             configure_logging(level, config.logging)
             return serve(config, log_level=args.log_level, config_path=args.config)
+        if args.command == "canary":
+            from gateway.canary import run_canary
+            return run_canary(load_config(args.config))
         if args.command == "preflight":
             from gateway.preflight import run_preflight
             return run_preflight(load_config(args.config), as_json=args.json)

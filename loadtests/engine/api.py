@@ -92,6 +92,7 @@ class GenerationAPI:
         rec.prompt_tokens = len(ids)
         gen = Gen(rec, ids, spec.max_new, fmt.default_max_new, host, port, room if isinstance(room, int) else None)
         gen.prompt_offset = prompt_offset
+        gen.hide_stub = self.cfg.hide_stub
         gen.task = asyncio.current_task()  # type: ignore[assignment]
         eng.metrics.num_requests.inc()
         if spec.stream:

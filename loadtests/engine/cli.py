@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                    help="SGLANG_EXPOSE_OWN_ENV_VARS=1 (0.5.22+): list the --env variables in server info")
     p.add_argument("--report-pool-tokens", type=int, default=None,
                    help="claim this KV pool in /server_info (a lying engine, to test what catches a leak anyway)")
+    p.add_argument("--hide-stub", action=argparse.BooleanOptionalAction, default=False,
+                   help="bug mode: the one-token stub reports the original prompt's count (a lying engine)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable set explicitly for the engine (repeatable)")
     a = p.parse_args(argv)
@@ -83,7 +85,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         stream_abort_delay_s=a.stream_abort_delay_s, health_delay_s=a.health_delay_s,
         request_log_size=a.request_log_size, transfer_backend=a.transfer_backend,
         enable_kv_checksum=a.enable_kv_checksum, decode_allocation_policy=a.decode_allocation_policy,
-        expose_env_vars=a.expose_env_vars, env=tuple(env), report_pool_tokens=a.report_pool_tokens)
+        expose_env_vars=a.expose_env_vars, env=tuple(env), report_pool_tokens=a.report_pool_tokens,
+        hide_stub=a.hide_stub)
 
 
 async def serve(cfg: EngineConfig) -> None:

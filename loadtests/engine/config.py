@@ -40,6 +40,7 @@ class EngineConfig:
     expose_env_vars: bool = False  # SGLANG_EXPOSE_OWN_ENV_VARS=1: internal_states[*].env_vars lists `env`
     env: tuple[tuple[str, str], ...] = ()  # environment variables set explicitly (SGLANG_* only are reported)
     report_pool_tokens: int | None = None  # a lying engine (tests of the integrity guards): server info claims this pool
+    hide_stub: bool = False  # a lying engine: a bug-mode stub reports the original prompt's token count
 
     @property
     def dialect(self) -> Dialect:

@@ -31,7 +31,7 @@ class Gen:
 
     __slots__ = ("rec", "rid", "input_ids", "kv_ids", "max_new", "max_new_given", "room", "host", "port",
                  "to_finish", "pages", "kv_tokens", "positions", "first", "output", "task", "abort_reason",
-                 "queue", "prompt_offset")
+                 "queue", "prompt_offset", "hide_stub")
 
     def __init__(self, rec: ReqRecord, input_ids: list[int], max_new: int | None, default_max_new: int,
                  host: str | None, port: int | None, room: int | None) -> None:
@@ -54,6 +54,7 @@ class Gen:
         self.abort_reason: str | None = None
         self.queue = ""  # which PD queue it sits in, for the queue gauges
         self.prompt_offset = 0  # a `miscount` fault: reported prompt_tokens are off by this much
+        self.hide_stub = False  # a lying engine: report the original prompt even for a bug-mode stub
 
 
 class Engine:

@@ -51,8 +51,9 @@ def prompt_ids(value: Any) -> list[int]:
 
 
 def reported_prompt_tokens(gen: Any) -> int:
-    """`len(origin_input_ids)` (a bug-mode stub keeps 1), shifted by an injected `miscount` fault."""
-    return len(gen.kv_ids) + gen.prompt_offset
+    """`len(origin_input_ids)` (a bug-mode stub keeps 1, unless a lying engine hides it), shifted by an injected
+    `miscount` fault."""
+    return len(gen.input_ids if gen.hide_stub else gen.kv_ids) + gen.prompt_offset
 
 
 class StreamState:

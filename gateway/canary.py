@@ -1,0 +1,118 @@
+"""`kvgate canary --config FILE`: probe tenant isolation through the gateway's own admission and dispatch path.
+
+For each model it starts the gateway in-process (the KV-pool gate runs as at startup), sends a probe carrying a
+unique random marker, then prompts of exactly limit−1, limit, limit+1, 2×limit and pool+1 tokens (token ids, so
+the size is exact), and checks that (a) no answer contains any marker — an answer that does is another request's
+KV, the incident's leak — and (b) every prompt over the limit was refused with 413. Exit 1 on any leak or any
+over-limit prompt admitted, 0 otherwise. Probes are small (a few output tokens) and carry `x-kvgate-probe: canary`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.config import GatewayConfig
+from gateway.runtime import Gateway, ServedModel
+
+_PROBE_HEADERS = {"x-kvgate-probe": "canary"}
+_OUTPUT_TOKENS = 16
+_MARKER_PREFIX = "CANARY-"
+
+
+@dataclass
+class ProbeResult:
+    model: str
+    name: str
+    prompt_tokens: int
+    status: int
+    leaked: bool
+    admitted_over_limit: bool
+
+
+@dataclass
+class CanaryReport:
+    probes: list[ProbeResult] = field(default_factory=list)
+
+    @property
+    def leaks(self) -> list[ProbeResult]:
+        return [p for p in self.probes if p.leaked or p.admitted_over_limit]
+
+    def text(self) -> str:
+        lines = [f"{p.model:12s} {p.name:10s} {p.prompt_tokens:>9d} tokens -> {p.status}"
+                 + ("  LEAK: an earlier probe's marker in the answer" if p.leaked else "")
+                 + ("  ADMITTED OVER THE LIMIT" if p.admitted_over_limit else "") for p in self.probes]
+        lines.append(f"canary: {len(self.probes)} probes, {len(self.leaks)} failures"
+                     + (" — tenant isolation is BROKEN" if self.leaks else " — no leak"))
+        return "\n".join(lines)
+
+
+async def probe(config: GatewayConfig) -> CanaryReport:
+    from gateway.app import create_app
+
+    gateway = Gateway(config)
+    app = create_app(config, gateway)
+    await gateway.start()
+    report = CanaryReport()
+    try:
+        transport = httpx.ASGITransport(app=app)  # the gateway's own routes, admission and dispatch; no socket
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvgate", timeout=120) as client:
+            for model in gateway.models.values():
+                await _probe_model(client, model, report)
+    finally:
+        await gateway.stop()
+    return report
+
+
+async def _probe_model(client: httpx.AsyncClient, model: ServedModel, report: CanaryReport) -> None:
+    markers = [f"{_MARKER_PREFIX}{secrets.token_hex(8)}" for _ in range(2)]
+    limit = model.admission.limits.prompt_tokens
+    pools = [w.verified.pool_tokens for w in model.pool.workers if w.verified is not None]
+    filler = model.admission.tokenizer.tokenizer.encode("lorem", add_special_tokens=False).ids[0]
+    sizes = {"limit-1": limit - 1, "limit": limit, "limit+1": limit + 1, "2xlimit": 2 * limit}
+    if pools:
+        sizes["pool+1"] = min(pools) + 1
+    for marker in markers:  # the secrets a leak would carry, from their first token on
+        await _send(client, model, report, "marker", {"text": f"{marker} " * 8}, markers, limit)
+    for name, size in sizes.items():
+        await _send(client, model, report, name, {"input_ids": [filler] * max(1, size)}, markers, limit)
+
+
+async def _send(client: httpx.AsyncClient, model: ServedModel, report: CanaryReport, name: str,
+                prompt: dict[str, Any], markers: list[str], limit: int) -> None:
+    limits = model.admission.limits
+    size_hint = len(prompt.get("input_ids", ()))
+    room = min(limits.context_length - 1 - size_hint,
+               (limits.decode_pool_tokens or limits.context_length) - size_hint)
+    # A prompt at the limit leaves little room for output: ask for what fits, so it is served, not refused.
+    body = {**prompt, "model": model.name, "sampling_params": {"max_new_tokens": max(1, min(_OUTPUT_TOKENS, room))}}
+    response = await client.post("/generate", content=orjson.dumps(body),
+                                 headers={"content-type": "application/json", **_PROBE_HEADERS})
+    size = len(prompt["input_ids"]) if "input_ids" in prompt else int(response.headers.get("x-kvgate-prompt-tokens",
+                                                                                              0))
+    text = ""
+    if response.status_code == 200:
+        answer = response.json()
+        text = str(answer.get("text", ""))
+    # Near the limit an answer may be only a few tokens long, starting mid-marker: a marker's tail with the first hex
+    # digits of its random part is another request's KV.
+    leaked = name != "marker" and any(f"ARY-{marker[len(_MARKER_PREFIX):][:2]}" in text for marker in markers)
+    report.probes.append(ProbeResult(model.name, name, size, response.status_code, leaked,
+                                     admitted_over_limit=size > limit and response.status_code == 200))
+
+
+def run_canary(config: GatewayConfig) -> int:
+    from gateway.runtime import GateRefused
+
+    try:
+        report = asyncio.run(probe(config))
+    except GateRefused as refused:
+        print(f"canary: not run, the KV-pool gate refused:\n{refused}")
+        return 1
+    print(report.text())
+    return 1 if report.leaks else 0
