@@ -185,6 +185,9 @@ class IntegrityConfig(_Strict):
     min_prompt_tokens: int = Field(1024, ge=1, description="shorter prompts are not judged (noise dominates)")
     strict: bool = Field(False, description="an implausible first token fails the request (502) before any output "
                                             "is released; otherwise it is counted and logged")
+    provenance_sample: float = Field(0.0, ge=0, le=1, description="share of requests whose answer is checked for "
+                                                                  "text another tenant recently sent or received")
+    provenance_window: int = Field(1_000_000, ge=1000, description="n-gram hashes remembered per model")
 
 
 class HealthConfig(_Strict):

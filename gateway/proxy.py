@@ -32,6 +32,7 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no
 _CLOSE = [(b"connection", b"close")]
 _DONE_EVENT = b"data: [DONE]\n\n"
 # A usage object inside an OpenAI stream chunk (one level of nesting: prompt_tokens_details).
+_ANSWER_KEPT = 1 << 18  # bytes of a sampled answer kept for the provenance check
 _USAGE = re.compile(rb',"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
 
 
@@ -93,6 +94,8 @@ class GenerateEndpoint:
         async def observed(message: Message) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
+            elif record.sampled and len(record.answer) < _ANSWER_KEPT:
+                record.answer += message.get("body", b"")[: _ANSWER_KEPT - len(record.answer)]
             await send(message)
 
         try:
@@ -144,6 +147,8 @@ class GenerateEndpoint:
             model, admitted = await gateway.admit(self.route, body, tenant=tenant_of(scope))
             record.model = model.name
             record.admitted = admitted
+            record.tenant = tenant_of(scope)
+            record.sampled = gateway.samples_provenance(model)
             record.admission_s = time.perf_counter() - started
             key = model.route_key(admitted, scope["headers"])
             started = time.perf_counter()

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+
+import orjson
 
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
 from gateway.admission.chat import ChatSettings
@@ -18,6 +21,7 @@ from gateway.body import RequestBody
 from gateway.config import GatewayConfig, HealthConfig, ModelConfig
 from gateway.lifecycle import ExchangeRegistry, PDExchange, Retries, RoomAllocator, TTFTPlausibility
 from gateway.preflight import describe_refusal
+from gateway.provenance import ProvenanceWindow, answer_text, texts_in
 from gateway.telemetry.loop_lag import LoopLagProbe
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.observe import observe_exchange, observe_request
@@ -25,9 +29,9 @@ from gateway.telemetry.record import RequestRecord
 from gateway.telemetry.tracing import Tracing
 from routing.breaker import BreakerSpec
 from routing.deployment_checks import CheckPolicy
+from routing.discovery import Discovery, DnsSource, initial_specs, make_resolver
 from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
-from routing.discovery import Discovery, DnsSource, initial_specs, make_resolver
 from routing.loads import LoadPoller
 from routing.membership import Membership
 from routing.monitor import WorkerMonitor
@@ -164,6 +168,7 @@ class Gateway:
         self.shutting_down = False
         self.loop_lag = LoopLagProbe(self.metrics.loop_lag)
         self.tracing = Tracing(config.tracing)
+        self.provenance: dict[str, ProvenanceWindow] = {}
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -337,16 +342,41 @@ class Gateway:
                 problems[model.name] = "no usable prefill and decode pair"
         return not problems, problems
 
+    def samples_provenance(self, model: ServedModel) -> bool:
+        rate = model.config.integrity.provenance_sample
+        return rate > 0 and random.random() < rate
+
     def observe_request(self, record: RequestRecord) -> None:
         """A client request is answered: metrics and its access line now; its trace once its exchange has closed."""
         served = self.models.get(record.model)
         limit = served.admission.limits.prompt_tokens if served else None
+        if record.sampled and served is not None and record.status == 200:
+            self._check_provenance(served, record)
         observe_request(self.metrics, record, limit=limit)
         exchange = record.exchange
         if exchange is not None and not exchange.closed.done():
             exchange.closed.add_done_callback(lambda _: self.tracing.end_request(record, effective_limit=limit))
         else:
             self.tracing.end_request(record, effective_limit=limit)
+
+    def _check_provenance(self, model: ServedModel, record: RequestRecord) -> None:
+        """Does the answer share a long stretch with what another tenant recently sent or received? Counted and
+        logged (never the text); then this request's prompt and answer join the window."""
+        window = self.provenance.get(model.name)
+        if window is None:
+            window = self.provenance[model.name] = ProvenanceWindow(model.config.integrity.provenance_window)
+        answer = answer_text(bytes(record.answer))
+        self.metrics.provenance_checks.labels(model.name).inc()
+        if window.foreign(record.tenant, answer):
+            self.metrics.provenance_foreign.labels(model.name).inc()
+            exchange = record.exchange
+            log.error("answer shares text with another tenant's recent traffic: request_id=%s rid=%s model=%s "
+                      "prefill=%s decode=%s", record.request_id, exchange.rid if exchange else None, model.name,
+                      exchange.pair.prefill.url if exchange else None, exchange.pair.decode.url if exchange else None)
+        admitted = record.admitted
+        if admitted is not None and len(admitted.engine_body) <= 1 << 20:
+            window.remember(record.tenant, texts_in(orjson.loads(admitted.engine_body)))
+        window.remember(record.tenant, [answer])
 
     def _exchange_closed(self, exchange: PDExchange) -> None:
         observe_exchange(self.metrics, exchange)

@@ -68,6 +68,11 @@ class GatewayMetrics:
         self.implausible_ttft = Counter("kvgate_implausible_ttft", "First tokens sooner than the model's prefill "
                                         "speed ceiling allows for the prompt (a leak that looks like success)",
                                         ["model"], registry=r)
+        self.provenance_checks = Counter("kvgate_provenance_checks", "Sampled answers checked for another tenant's "
+                                         "text", ["model"], registry=r)
+        self.provenance_foreign = Counter("kvgate_provenance_foreign", "Sampled answers that share a long stretch of "
+                                          "text with another tenant's recent prompts or answers", ["model"],
+                                          registry=r)
         self.duration = Histogram("kvgate_request_duration_seconds", "Dispatch to the exchange's end, by outcome",
                                   ["model", "outcome"], buckets=_SECONDS, registry=r)
         self.inter_token = Histogram("kvgate_inter_token_seconds", "Mean time between decode events of a request",

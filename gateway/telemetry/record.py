@@ -32,3 +32,6 @@ class RequestRecord:
     span: Span | None = None  # the request's trace span, when tracing
     trace_id: str | None = None
     engine_traceparent: str | None = None  # sent to both engines
+    tenant: str = ""
+    sampled: bool = False  # for output provenance: the answer's bytes are kept in `answer` (bounded)
+    answer: bytearray = field(default_factory=bytearray)

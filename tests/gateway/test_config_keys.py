@@ -93,6 +93,8 @@ KEY_TESTS = {
     "models.integrity.max_prefill_tokens_per_s": "tests/gateway/test_integrity.py::test_an_implausibly_fast_first_token_is_counted_and_under_strict_nothing_is_released",
     "models.integrity.min_prompt_tokens": "tests/gateway/test_integrity.py::test_an_implausibly_fast_first_token_is_counted_and_under_strict_nothing_is_released",
     "models.integrity.strict": "tests/gateway/test_integrity.py::test_an_implausibly_fast_first_token_is_counted_and_under_strict_nothing_is_released",
+    "models.integrity.provenance_sample": "tests/gateway/test_integrity.py::test_a_sampled_answer_carrying_another_tenants_text_is_flagged",
+    "models.integrity.provenance_window": "tests/gateway/test_integrity.py::test_a_sampled_answer_carrying_another_tenants_text_is_flagged",
     "models.health": "tests/routing/test_routing_live.py::test_a_killed_decode_leaves_rotation_within_the_health_thresholds_while_prefill_serves_on",
 }
 

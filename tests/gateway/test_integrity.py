@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.provenance import ProvenanceWindow, answer_text
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import inject
 from tests.gateway_harness import model_entry, running_gateway, write_config
@@ -78,3 +79,42 @@ def test_an_implausibly_fast_first_token_is_counted_and_under_strict_nothing_is_
         _report_full_count(lying_pair, gateway.url, over_pool)
         unjudged = _stream(gateway.url, over_pool)
     assert unjudged.status_code == 200  # prompts under min_prompt_tokens are not judged
+
+
+def test_the_provenance_window_finds_another_tenants_text_and_only_that() -> None:
+    window = ProvenanceWindow(10_000)
+    secret = "Invoice 88123 for ACME Rotterdam is overdue; the bank account is NL91ABNA0417164300 and the PIN is 4471."
+    window.remember("tenant-a", [secret])
+    assert window.foreign("tenant-b", "Sure! " + secret[20:90] + " anything else?")  # a long shared stretch
+    assert not window.foreign("tenant-a", secret)  # one's own text is not foreign
+    assert not window.foreign("tenant-b", "the bank account is")  # a short common phrase is not a match
+    assert answer_text(b'data: {"text":"ab"}\n\ndata: {"text":"abc"}\n\ndata: [DONE]\n\n') == "ababc"
+    assert answer_text(b'{"choices":[{"message":{"role":"assistant","content":"hi there"}}]}') == "hi there"
+
+
+def test_a_sampled_answer_carrying_another_tenants_text_is_flagged(lying_pair: EnginePair, tmp_path: Path) -> None:
+    entry = model_entry("glm-5", [lying_pair.prefill], [lying_pair.decode], context_length=16384,
+                        min_engine_version="0.5.8", release="immediate",
+                        integrity={"provenance_sample": 1.0, "provenance_window": 100_000})
+    (tmp_path / "provenance").mkdir()
+    with running_gateway(write_config(tmp_path / "provenance", [entry])) as gateway:
+        tenant_a, tenant_b = {"authorization": "Bearer tenant-a"}, {"authorization": "Bearer tenant-b"}
+        secret = f"Note: {MARKER} belongs to tenant A, account 4471 at the Rotterdam branch. " * 6
+        body = {"text": secret, "sampling_params": {"max_new_tokens": 48}, "stream": True}
+        assert httpx.post(gateway.url + "/generate", json=body, headers=tenant_a, timeout=60).status_code == 200
+        ordinary = {"text": "What is the capital of France?", "sampling_params": {"max_new_tokens": 8}}
+        assert httpx.post(gateway.url + "/generate", json=ordinary, headers=tenant_b, timeout=60).status_code == 200
+
+        def foreign() -> float:
+            text = httpx.get(gateway.url + "/metrics", timeout=10).text
+            line = next((ln for ln in text.splitlines() if ln.startswith("kvgate_provenance_foreign_total{")), "")
+            return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+        assert foreign() == 0
+        over_pool = "lorem " * 12_000
+        _report_full_count(lying_pair, gateway.url, over_pool)
+        leaked = httpx.post(gateway.url + "/generate", json={**body, "text": over_pool}, headers=tenant_b,
+                            timeout=60)
+        assert leaked.status_code == 200 and MARKER in leaked.text  # the leak itself, as the incident's
+        assert foreign() == 1
+        assert gateway.gateway.provenance["glm-5"].capacity == 100_000
