@@ -1,10 +1,11 @@
-"""Output provenance, sampled: does an answer share a long stretch of text with what *another* tenant recently sent
-or received? The incident's leaking answers were fluent text belonging to someone else; status codes and counts saw
+"""Output provenance, sampled: does an answer share a long stretch of text with what *another* tenant recently sent?
+The incident's leaking answers were fluent text built on someone else's context; status codes and counts saw
 nothing.
 
-For a sampled request the gateway remembers hashes of its prompt's and its answer's character n-grams (after
-lower-casing and dropping everything but letters and digits), tagged with the tenant, in a bounded window; it then
-checks the answer's n-grams against the other tenants' entries. Only hashes are kept — Python's string hash, salted
+For a sampled request the gateway checks its answer's character n-grams (after lower-casing and dropping everything
+but letters and digits) against a bounded window of other tenants' prompt n-grams, then adds its own prompt's,
+tagged with the tenant. Answers are not remembered: two tenants asking alike may well get alike answers (greedy
+decoding, common facts), while another tenant's prompt text in an answer is the leak's signature. Only hashes are kept — Python's string hash, salted
 per process, so they cannot be looked up elsewhere — never the text. Stored n-grams are taken every `STRIDE`
 characters and checked at every position, so any shared stretch of `NGRAM + STRIDE` characters is found.
 """

@@ -360,8 +360,8 @@ class Gateway:
             self.tracing.end_request(record, effective_limit=limit)
 
     def _check_provenance(self, model: ServedModel, record: RequestRecord) -> None:
-        """Does the answer share a long stretch with what another tenant recently sent or received? Counted and
-        logged (never the text); then this request's prompt and answer join the window."""
+        """Does the answer share a long stretch with what another tenant recently sent? Counted and logged (never the
+        text); then this request's prompt joins the window."""
         window = self.provenance.get(model.name)
         if window is None:
             window = self.provenance[model.name] = ProvenanceWindow(model.config.integrity.provenance_window)
@@ -375,8 +375,9 @@ class Gateway:
                       exchange.pair.prefill.url if exchange else None, exchange.pair.decode.url if exchange else None)
         admitted = record.admitted
         if admitted is not None and len(admitted.engine_body) <= 1 << 20:
+            # Prompts only: two tenants asking alike may get alike answers (greedy decoding, common facts), but an
+            # answer carrying someone else's prompt text is the leak's signature.
             window.remember(record.tenant, texts_in(orjson.loads(admitted.engine_body)))
-        window.remember(record.tenant, [answer])
 
     def _exchange_closed(self, exchange: PDExchange) -> None:
         observe_exchange(self.metrics, exchange)
