@@ -16,6 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.admin import AdminApi
 from gateway.admission.requests import reject_unknown_model
+from gateway.canary import CanaryProber
 from gateway.config import GatewayConfig
 from gateway.tokenize_api import TokenizeApi
 from gateway.proxy import GenerateEndpoint
@@ -61,8 +62,11 @@ class GatewayApp:
             await self.gateway.stop()
             await send({"type": "lifespan.startup.failed", "message": traceback.format_exc()})
             return
+        prober = CanaryProber(self.gateway, self)
+        prober.start()
         await send({"type": "lifespan.startup.complete"})
         await receive()  # lifespan.shutdown
+        await prober.stop()
         await self.gateway.stop()
         await send({"type": "lifespan.shutdown.complete"})
 

@@ -4,12 +4,14 @@ For each model it starts the gateway in-process (the KV-pool gate runs as at sta
 unique random marker, then prompts of exactly limit−1, limit, limit+1, 2×limit and pool+1 tokens (token ids, so
 the size is exact), and checks that (a) no answer contains any marker — an answer that does is another request's
 KV, the incident's leak — and (b) every prompt over the limit was refused with 413. Exit 1 on any leak or any
-over-limit prompt admitted, 0 otherwise. Probes are small (a few output tokens) and carry `x-kvgate-probe: canary`.
+over-limit prompt admitted, 0 otherwise. Probes are small (a few output tokens) and carry the process's probe token
+(gateway.probe), which keeps them out of tenant accounting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,9 +20,11 @@ import httpx
 import orjson
 
 from gateway.config import GatewayConfig
+from gateway.probe import PROBE_HEADER, PROBE_TOKEN
 from gateway.runtime import Gateway, ServedModel
 
-_PROBE_HEADERS = {"x-kvgate-probe": "canary"}
+log = logging.getLogger("kvgate.canary")
+_PROBE_HEADERS = {PROBE_HEADER: PROBE_TOKEN}
 _OUTPUT_TOKENS = 16
 _MARKER_PREFIX = "CANARY-"
 
@@ -69,12 +73,16 @@ async def probe(config: GatewayConfig) -> CanaryReport:
     return report
 
 
-async def _probe_model(client: httpx.AsyncClient, model: ServedModel, report: CanaryReport) -> None:
+async def _probe_model(client: httpx.AsyncClient, model: ServedModel, report: CanaryReport, *,
+                       near_limit: bool = True) -> None:
+    """Markers, then the sizes around the limit (`near_limit=False`: only those that must be refused, which cost
+    the engines nothing — what a background prober can afford on every interval)."""
     markers = [f"{_MARKER_PREFIX}{secrets.token_hex(8)}" for _ in range(2)]
     limit = model.admission.limits.prompt_tokens
     pools = [w.verified.pool_tokens for w in model.pool.workers if w.verified is not None]
     filler = model.admission.tokenizer.tokenizer.encode("lorem", add_special_tokens=False).ids[0]
-    sizes = {"limit-1": limit - 1, "limit": limit, "limit+1": limit + 1, "2xlimit": 2 * limit}
+    sizes = {"limit-1": limit - 1, "limit": limit} if near_limit else {}
+    sizes.update({"limit+1": limit + 1, "2xlimit": 2 * limit})
     if pools:
         sizes["pool+1"] = min(pools) + 1
     for marker in markers:  # the secrets a leak would carry, from their first token on
@@ -104,6 +112,52 @@ async def _send(client: httpx.AsyncClient, model: ServedModel, report: CanaryRep
     leaked = name != "marker" and any(f"ARY-{marker[len(_MARKER_PREFIX):][:2]}" in text for marker in markers)
     report.probes.append(ProbeResult(model.name, name, size, response.status_code, leaked,
                                      admitted_over_limit=size > limit and response.status_code == 200))
+
+
+class CanaryProber:
+    """The canary on a schedule, inside a running gateway (per model `integrity.canary_interval_s`): results as
+    `kvgate_canary_probes_total{result}` and `kvgate_canary_leaks_total`."""
+
+    def __init__(self, gateway: Gateway, app: Any) -> None:
+        self._gateway = gateway
+        self._app = app
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(model), name=f"kvgate-canary-{model.name}")
+                       for model in self._gateway.models.values()
+                       if model.config.integrity.canary_interval_s is not None]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _run(self, model: ServedModel) -> None:
+        transport = httpx.ASGITransport(app=self._app)
+        rule = model.config.integrity
+        assert rule.canary_interval_s is not None
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvgate", timeout=120) as client:
+            while True:
+                await asyncio.sleep(rule.canary_interval_s)
+                if model.unavailable or self._gateway.shutting_down:
+                    continue
+                report = CanaryReport()
+                try:
+                    await _probe_model(client, model, report, near_limit=rule.canary_near_limit)
+                except (httpx.HTTPError, OSError) as exc:
+                    log.warning("canary probe of %s failed: %s", model.name, exc)
+                    continue
+                metrics = self._gateway.metrics
+                for result in report.probes:
+                    outcome = "leak" if result.leaked else "admitted_over_limit" if result.admitted_over_limit \
+                        else str(result.status)
+                    metrics.canary_probes.labels(model.name, outcome).inc()
+                if report.leaks:
+                    metrics.canary_leaks.labels(model.name).inc(len(report.leaks))
+                    log.error("canary: model %s failed %d probe(s):\n%s", model.name, len(report.leaks),
+                              report.text())
 
 
 def run_canary(config: GatewayConfig) -> int:

@@ -188,6 +188,9 @@ class IntegrityConfig(_Strict):
     provenance_sample: float = Field(0.0, ge=0, le=1, description="share of requests whose answer is checked for "
                                                                   "text another tenant recently sent or received")
     provenance_window: int = Field(1_000_000, ge=1000, description="n-gram hashes remembered per model")
+    canary_interval_s: float | None = Field(None, gt=0, description="run the canary probes this often (null: never)")
+    canary_near_limit: bool = Field(False, description="also probe at limit−1 and limit (each costs a full prefill "
+                                                       "of that size)")
 
 
 class HealthConfig(_Strict):

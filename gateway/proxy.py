@@ -20,6 +20,7 @@ from gateway.assemble import assembler_for
 from gateway.body import RequestBody
 from gateway.errors import GatewayError
 from gateway.lifecycle import ClientGone, Done, Failure, PDExchange
+from gateway.probe import is_probe
 from gateway.telemetry.record import RequestRecord
 from routing.pools import NoWorkerAvailable, PoolSaturated
 
@@ -148,7 +149,7 @@ class GenerateEndpoint:
             record.model = model.name
             record.admitted = admitted
             record.tenant = tenant_of(scope)
-            record.sampled = gateway.samples_provenance(model)
+            record.sampled = gateway.samples_provenance(model) and not is_probe(scope)  # canary: not a tenant
             record.admission_s = time.perf_counter() - started
             key = model.route_key(admitted, scope["headers"])
             started = time.perf_counter()

@@ -73,6 +73,10 @@ class GatewayMetrics:
         self.provenance_foreign = Counter("kvgate_provenance_foreign", "Sampled answers that share a long stretch of "
                                           "text with another tenant's recent prompts or answers", ["model"],
                                           registry=r)
+        self.canary_probes = Counter("kvgate_canary_probes", "Canary probes sent through the gateway's own path, by "
+                                     "result (status, leak, admitted_over_limit)", ["model", "result"], registry=r)
+        self.canary_leaks = Counter("kvgate_canary_leaks", "Canary probes whose answer carried another probe's "
+                                    "marker, or over-limit probes that were served", ["model"], registry=r)
         self.duration = Histogram("kvgate_request_duration_seconds", "Dispatch to the exchange's end, by outcome",
                                   ["model", "outcome"], buckets=_SECONDS, registry=r)
         self.inter_token = Histogram("kvgate_inter_token_seconds", "Mean time between decode events of a request",

@@ -95,6 +95,8 @@ KEY_TESTS = {
     "models.integrity.strict": "tests/gateway/test_integrity.py::test_an_implausibly_fast_first_token_is_counted_and_under_strict_nothing_is_released",
     "models.integrity.provenance_sample": "tests/gateway/test_integrity.py::test_a_sampled_answer_carrying_another_tenants_text_is_flagged",
     "models.integrity.provenance_window": "tests/gateway/test_integrity.py::test_a_sampled_answer_carrying_another_tenants_text_is_flagged",
+    "models.integrity.canary_interval_s": "tests/gateway/test_canary.py::test_the_background_prober_runs_on_its_interval_and_finds_no_leak",
+    "models.integrity.canary_near_limit": "tests/gateway/test_canary.py::test_the_background_prober_near_the_limit_catches_a_lying_engine",
     "models.health": "tests/routing/test_routing_live.py::test_a_killed_decode_leaves_rotation_within_the_health_thresholds_while_prefill_serves_on",
 }
 

@@ -7,6 +7,8 @@ before any byte is released."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,3 +120,34 @@ def test_a_sampled_answer_carrying_another_tenants_text_is_flagged(lying_pair: E
         assert leaked.status_code == 200 and MARKER in leaked.text  # the leak itself, as the incident's
         assert foreign() == 1
         assert gateway.gateway.provenance["glm-5"].capacity == 100_000
+
+
+def test_no_false_positive_over_a_thousand_ordinary_requests(tmp_path: Path) -> None:
+    """Fixed-mode engines, correct pools, a realistic prefill speed; strict TTFT checking and provenance on every
+    answer, 20 tenants: every request succeeds and nothing is flagged."""
+    words = ["".join(random.Random(i).choice("abcdefghijklmnopqrstuvwxyz") for _ in range(2 + i % 7))
+             for i in range(5000)]
+    with start_pair(prefill_pool=100_000, decode_pool=100_000, context_length=8192, model="glm-5", version="0.5.23",
+                    bug=False, prefill_tokens_per_s=PREFILL_TOKENS_PER_S) as pair:
+        entry = model_entry("glm-5", [pair.prefill], [pair.decode], integrity={
+            "max_prefill_tokens_per_s": CEILING, "strict": True, "provenance_sample": 1.0})
+        (tmp_path / "fp").mkdir()
+        with running_gateway(write_config(tmp_path / "fp", [entry])) as gateway:
+            async def run() -> list[int]:
+                rng = random.Random(3)
+                semaphore = asyncio.Semaphore(16)
+                async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+                    async def one(i: int) -> int:
+                        text = " ".join(rng.choice(words) for _ in range(rng.choice((10, 60, 300, 1500))))
+                        body = {"text": text, "sampling_params": {"max_new_tokens": 8}, "stream": i % 2 == 0}
+                        async with semaphore:
+                            response = await client.post("/generate", json=body,
+                                                         headers={"authorization": f"Bearer t{i % 20}"})
+                        return response.status_code
+                    return list(await asyncio.gather(*(one(i) for i in range(1000))))
+
+            statuses = asyncio.run(run())
+            metrics = httpx.get(gateway.url + "/metrics", timeout=10).text
+    assert statuses.count(200) == 1000
+    assert "kvgate_implausible_ttft_total{" not in metrics and "kvgate_provenance_foreign_total{" not in metrics
+    assert 'kvgate_provenance_checks_total{model="glm-5"} 1000.0' in metrics
