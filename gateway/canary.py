@@ -125,8 +125,8 @@ class CanaryProber:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._run(model), name=f"kvgate-canary-{model.name}")
-                       for model in self._gateway.models.values()
+        self._tasks = [loop.create_task(self._run(name), name=f"kvgate-canary-{name}")
+                       for name, model in self._gateway.models.items()
                        if model.config.integrity.canary_interval_s is not None]
 
     async def stop(self) -> None:
@@ -134,20 +134,21 @@ class CanaryProber:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _run(self, model: ServedModel) -> None:
+    async def _run(self, name: str) -> None:
         transport = httpx.ASGITransport(app=self._app)
-        rule = model.config.integrity
-        assert rule.canary_interval_s is not None
         async with httpx.AsyncClient(transport=transport, base_url="http://kvgate", timeout=120) as client:
             while True:
-                await asyncio.sleep(rule.canary_interval_s)
-                if model.unavailable or self._gateway.shutting_down:
+                model = self._gateway.models[name]  # looked up each time: a reload may change its settings
+                rule = model.config.integrity
+                await asyncio.sleep(rule.canary_interval_s or 60.0)
+                if rule.canary_interval_s is None or model.unavailable or self._gateway.shutting_down:
                     continue
                 report = CanaryReport()
                 try:
                     await _probe_model(client, model, report, near_limit=rule.canary_near_limit)
-                except (httpx.HTTPError, OSError) as exc:
-                    log.warning("canary probe of %s failed: %s", model.name, exc)
+                except Exception as exc:  # the prober must outlive any one bad round
+                    self._gateway.metrics.canary_probes.labels(name, "error").inc()
+                    log.warning("canary probe of %s failed: %r", name, exc)
                     continue
                 metrics = self._gateway.metrics
                 for result in report.probes:

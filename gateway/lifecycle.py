@@ -261,6 +261,8 @@ class PDExchange:
         self._engine_headers = engine_headers  # e.g. the trace context, on both engine requests
         self._plausibility = plausibility
         self.implausible_ttft = False  # the first token came sooner than any real prefill of this prompt could
+        self._prefill_cached: int | None = None  # prompt tokens prefill took from its radix cache (when reported)
+        self._ttft_judged = False
         self._judged: set[tuple[Worker, bool]] = set()  # (worker, success) outcomes already reported
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatch_task: asyncio.Task[None] | None = None
@@ -526,7 +528,8 @@ class PDExchange:
     def _maybe_release(self) -> None:
         if self.failure is not None or self.client_gone:
             return
-        waits_for_prefill = self._release_verified or self.admitted.merge_logprobs
+        strict = self._plausibility is not None and self._plausibility.strict
+        waits_for_prefill = self._release_verified or self.admitted.merge_logprobs or strict
         if not self._released and (not waits_for_prefill
                                    or (self._prefill_ok and (self._decode_counted or self._decode_finished
                                                              or not self._release_verified))):
@@ -538,25 +541,34 @@ class PDExchange:
             self._done = True
             self.events.put_nowait(Done())
 
-    def _check_first_token_time(self) -> None:
+    def _judge_first_token_time(self) -> bool:
         """A first token sooner than the prompt could be prefilled: the prompt was likely not prefilled at all (the
-        incident's placeholder). Counted and logged; under `strict`, the request fails before any byte of it is out."""
+        incident's placeholder). Judged once both the first token and prefill's answer are in — prefill says how
+        many prompt tokens came from its radix cache, which a real prefill skips. Counted and logged; under `strict`
+        the request fails (it then returns True) before any byte of it is out."""
         rule = self._plausibility
-        if rule is None or self.first_token_at is None or self.prompt_tokens < rule.min_prompt_tokens:
-            return
-        floor_s = self.prompt_tokens / rule.max_prefill_tokens_per_s
+        if rule is None or self._ttft_judged or self.first_token_at is None or not self._prefill_ok:
+            return False
+        self._ttft_judged = True
+        uncached = self.prompt_tokens - (self._prefill_cached or 0)
+        if uncached < rule.min_prompt_tokens:
+            return False
+        floor_s = uncached / rule.max_prefill_tokens_per_s
         ttft = self.first_token_at - self.started_at
         if ttft >= floor_s:
-            return
+            return False
         self.implausible_ttft = True
-        log.error("implausible first token: rid=%s model=%s prefill=%s decode=%s prompt_tokens=%d ttft_ms=%.1f "
-                  "floor_ms=%.1f strict=%s", self.rid, self.admitted.model, self.pair.prefill.url, self.pair.decode.url,
-                  self.prompt_tokens, ttft * 1000, floor_s * 1000, rule.strict)
-        if rule.strict:
-            raise ImplausibleFirstToken(
-                f"the decode engine's first token came {ttft * 1000:.0f} ms after dispatch, sooner than a prefill of "
-                f"{self.prompt_tokens} tokens can take ({floor_s * 1000:.0f} ms at most "
-                f"{rule.max_prefill_tokens_per_s:g} tokens/s); nothing was released")
+        log.error("implausible first token: rid=%s model=%s prefill=%s decode=%s prompt_tokens=%d cached=%d "
+                  "ttft_ms=%.1f floor_ms=%.1f strict=%s", self.rid, self.admitted.model, self.pair.prefill.url,
+                  self.pair.decode.url, self.prompt_tokens, self._prefill_cached or 0, ttft * 1000, floor_s * 1000,
+                  rule.strict)
+        if not rule.strict:
+            return False
+        self.fail(GatewayError(502, f"the decode engine's first token came {ttft * 1000:.0f} ms after dispatch, "
+                                    f"sooner than a prefill of {uncached} uncached tokens can take "
+                                    f"({floor_s * 1000:.0f} ms at most {rule.max_prefill_tokens_per_s:g} tokens/s); "
+                                    "nothing was released", code="implausible_ttft"))
+        return True
 
     def _merged(self, payload: bytes) -> bytes:
         """A decode event with the prefill's prompt logprobs in front of its own (only when asked for)."""
@@ -595,8 +607,11 @@ class PDExchange:
                 meta = result.get("meta_info")
                 logprobs = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
                 self._prompt_logprobs = logprobs if isinstance(logprobs, list) else []
+            self._prefill_cached = _reported_cached_tokens(self.admitted.route, result)
             self._prefill_ok = True
             self._judge(worker, None)
+            if self._judge_first_token_time():
+                return
             self._maybe_release()
             self._maybe_let_go()
         except PromptCountMismatch as exc:
@@ -631,7 +646,8 @@ class PDExchange:
                 if first:
                     self.first_token_at = time.monotonic()
                     self._watchdog = IdleWatchdog(self.timeouts.idle_s, self._idle_timeout)
-                    self._check_first_token_time()
+                    if self._judge_first_token_time():
+                        await _parked()  # failed under strict: `_cancel` closes this half in the safe order
                 self._on_decode_event(data, worker, expected)
                 if first:
                     self._maybe_let_go()
@@ -655,9 +671,6 @@ class PDExchange:
             self._judge(worker, EngineBroken("decode", str(exc)))
             self.fail(GatewayError(502, str(exc), code="prompt_token_mismatch"))
             await _parked()  # keep the connection: `_cancel` closes it in the safe order
-        except ImplausibleFirstToken as exc:
-            self.fail(GatewayError(502, str(exc), code="implausible_ttft"))
-            await _parked()
         except EngineError as error:
             self._fail_leg(self._decode_blame(error), error)
         except asyncio.CancelledError:
@@ -705,10 +718,6 @@ class TTFTPlausibility:
     max_prefill_tokens_per_s: float
     min_prompt_tokens: int = 1024
     strict: bool = False
-
-
-class ImplausibleFirstToken(Exception):
-    """Under strict TTFT plausibility: the request must not produce output."""
 
 
 class PromptCountMismatch(Exception):
@@ -794,6 +803,21 @@ def _parse_result(role: Literal["prefill", "decode"], payload: bytes) -> dict[st
         if isinstance(choice, dict) and choice.get("finish_reason") == "abort":
             raise EngineRejected(role, f"{role} aborted the request", status=502)
     return parsed
+
+
+def _reported_cached_tokens(route: str, result: Any) -> int | None:
+    """Prompt tokens the engine took from its prefix cache: `meta_info.cached_tokens` on /generate,
+    `usage.prompt_tokens_details.cached_tokens` on OpenAI routes."""
+    if not isinstance(result, dict):
+        return None
+    if route == "/generate":
+        meta = result.get("meta_info")
+        value = meta.get("cached_tokens") if isinstance(meta, dict) else None
+    else:
+        usage = result.get("usage")
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _reported_prompt_tokens(route: str, result: Any) -> int | None:

@@ -38,16 +38,19 @@ def _grams(text: str, step: int) -> Iterator[int]:
 
 
 def texts_in(document: Any) -> Iterator[str]:
-    """The strings under text-bearing keys of a parsed request or answer, at any depth."""
-    if isinstance(document, dict):
-        for key, value in document.items():
-            if key in _TEXT_KEYS and isinstance(value, str):
-                yield value
-            else:
-                yield from texts_in(value)
-    elif isinstance(document, list):
-        for item in document:
-            yield from texts_in(item)
+    """The strings under text-bearing keys of a parsed request or answer, at any depth (iteratively: no recursion
+    limit to hit)."""
+    stack = [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in _TEXT_KEYS and isinstance(value, str):
+                    yield value
+                elif isinstance(value, (dict, list)):
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(item for item in node if isinstance(item, (dict, list)))
 
 
 def answer_text(body: bytes) -> str:
@@ -55,8 +58,8 @@ def answer_text(body: bytes) -> str:
     if not body.startswith(b"data:"):
         try:
             return "\n".join(texts_in(orjson.loads(body)))
-        except orjson.JSONDecodeError:
-            return ""
+        except orjson.JSONDecodeError:  # cut off at the capture limit: its text is still checked, keys and all
+            return body.decode("utf-8", "replace")
     parts: list[str] = []
     for line in body.split(b"\n"):
         if line.startswith(b"data: {"):
@@ -67,8 +70,12 @@ def answer_text(body: bytes) -> str:
     return "".join(parts)
 
 
+_SHARED = ""  # an n-gram more than one tenant sent: common text, nobody's secret
+
+
 class ProvenanceWindow:
-    """Recent n-gram hashes of sampled prompts and answers, each with the tenant it came from (bounded, LRU)."""
+    """Recent n-gram hashes of sampled prompts, each with the one tenant that sent it (bounded, LRU). An n-gram two
+    tenants sent is nobody's: one tenant cannot make another's answers look foreign by sending likely answer text."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
@@ -82,7 +89,8 @@ class ProvenanceWindow:
         owners = self._owners
         for text in texts:
             for gram in _grams(text, STRIDE):
-                owners[gram] = tenant
+                owner = owners.get(gram)
+                owners[gram] = tenant if owner is None or owner == tenant else _SHARED
                 owners.move_to_end(gram)
         while len(owners) > self._capacity:
             owners.popitem(last=False)
@@ -90,4 +98,4 @@ class ProvenanceWindow:
     def foreign(self, tenant: str, text: str) -> bool:
         """Whether `text` shares an n-gram with another tenant's remembered text."""
         owners = self._owners
-        return any((owner := owners.get(gram)) is not None and owner != tenant for gram in _grams(text, 1))
+        return any((owner := owners.get(gram)) and owner != tenant for gram in _grams(text, 1))

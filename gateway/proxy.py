@@ -87,10 +87,11 @@ class GenerateEndpoint:
         self.gateway = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        record = RequestRecord(self.route)
+        record = RequestRecord(self.route, probe=is_probe(scope))
         if "kvgate.request_id" in scope:
             record.request_id = scope["kvgate.request_id"]
-        self.gateway.tracing.start_request(record, scope["headers"])
+        if not record.probe:
+            self.gateway.tracing.start_request(record, scope["headers"])
 
         async def observed(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -149,7 +150,7 @@ class GenerateEndpoint:
             record.model = model.name
             record.admitted = admitted
             record.tenant = tenant_of(scope)
-            record.sampled = gateway.samples_provenance(model) and not is_probe(scope)  # canary: not a tenant
+            record.sampled = gateway.samples_provenance(model) and not record.probe  # the canary is not a tenant
             record.admission_s = time.perf_counter() - started
             key = model.route_key(admitted, scope["headers"])
             started = time.perf_counter()

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,6 +170,7 @@ class Gateway:
         self.loop_lag = LoopLagProbe(self.metrics.loop_lag)
         self.tracing = Tracing(config.tracing)
         self.provenance: dict[str, ProvenanceWindow] = {}
+        self._provenance_thread = ThreadPoolExecutor(1, thread_name_prefix="kvgate-provenance")
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -249,6 +251,7 @@ class Gateway:
         if self.admission_workers is not None:
             self.admission_workers.close()
         self.tracing.shutdown()
+        self._provenance_thread.shutdown(wait=False, cancel_futures=True)
         for model in self.models.values():
             model.admission.counter.close()
 
@@ -351,13 +354,23 @@ class Gateway:
         served = self.models.get(record.model)
         limit = served.admission.limits.prompt_tokens if served else None
         if record.sampled and served is not None and record.status == 200:
-            self._check_provenance(served, record)
+            # Hashing a long prompt or answer takes tens of ms: one thread of its own, off the event loop (one
+            # thread, so the window needs no lock).
+            self._provenance_thread.submit(self._check_provenance_safely, served, record)
+        if record.probe:
+            return  # the canary's own traffic: not a tenant's, kept out of request metrics and the access log
         observe_request(self.metrics, record, limit=limit)
         exchange = record.exchange
         if exchange is not None and not exchange.closed.done():
             exchange.closed.add_done_callback(lambda _: self.tracing.end_request(record, effective_limit=limit))
         else:
             self.tracing.end_request(record, effective_limit=limit)
+
+    def _check_provenance_safely(self, model: ServedModel, record: RequestRecord) -> None:
+        try:
+            self._check_provenance(model, record)
+        except Exception:  # a check must never take anything else down
+            log.exception("provenance check failed for request_id=%s", record.request_id)
 
     def _check_provenance(self, model: ServedModel, record: RequestRecord) -> None:
         """Does the answer share a long stretch with what another tenant recently sent? Counted and logged (never the

@@ -34,4 +34,5 @@ class RequestRecord:
     engine_traceparent: str | None = None  # sent to both engines
     tenant: str = ""
     sampled: bool = False  # for output provenance: the answer's bytes are kept in `answer` (bounded)
+    probe: bool = False  # the gateway's own canary traffic
     answer: bytearray = field(default_factory=bytearray)

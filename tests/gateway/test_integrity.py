@@ -18,7 +18,7 @@ import pytest
 
 from gateway.provenance import ProvenanceWindow, answer_text
 from loadtests.engine.harness import EnginePair, start_pair
-from tests.engine_records import inject
+from tests.engine_records import inject, wait_for
 from tests.gateway_harness import model_entry, running_gateway, write_config
 
 MARKER = "ZEBRA-7731-SECRET"
@@ -92,6 +92,11 @@ def test_the_provenance_window_finds_another_tenants_text_and_only_that() -> Non
     assert not window.foreign("tenant-b", "the bank account is")  # a short common phrase is not a match
     assert answer_text(b'data: {"text":"ab"}\n\ndata: {"text":"abc"}\n\ndata: [DONE]\n\n') == "ababc"
     assert answer_text(b'{"choices":[{"message":{"role":"assistant","content":"hi there"}}]}') == "hi there"
+    assert "hi the" in answer_text(b'{"choices":[{"message":{"content":"hi the')  # cut off: still checked
+    shared = "The quarterly report template: revenue, costs, margin, headcount, outlook, risks and actions."
+    window.remember("tenant-a", [shared])
+    window.remember("tenant-c", [shared])  # two tenants sent it: common text, nobody's secret
+    assert not window.foreign("tenant-b", "Here it is. " + shared)
 
 
 def test_a_sampled_answer_carrying_another_tenants_text_is_flagged(lying_pair: EnginePair, tmp_path: Path) -> None:
@@ -118,7 +123,7 @@ def test_a_sampled_answer_carrying_another_tenants_text_is_flagged(lying_pair: E
         leaked = httpx.post(gateway.url + "/generate", json={**body, "text": over_pool}, headers=tenant_b,
                             timeout=60)
         assert leaked.status_code == 200 and MARKER in leaked.text  # the leak itself, as the incident's
-        assert foreign() == 1
+        assert wait_for(lambda: foreign() == 1, timeout_s=5)  # checked off the event loop, just after the answer
         assert gateway.gateway.provenance["glm-5"].capacity == 100_000
 
 
@@ -147,7 +152,13 @@ def test_no_false_positive_over_a_thousand_ordinary_requests(tmp_path: Path) -> 
                     return list(await asyncio.gather(*(one(i) for i in range(1000))))
 
             statuses = asyncio.run(run())
-            metrics = httpx.get(gateway.url + "/metrics", timeout=10).text
+
+            def metrics_text() -> str:
+                return httpx.get(gateway.url + "/metrics", timeout=10).text
+
+            assert wait_for(lambda: 'kvgate_provenance_checks_total{model="glm-5"} 1000.0' in metrics_text(),
+                            timeout_s=20)
+            metrics = metrics_text()
     assert statuses.count(200) == 1000
     assert "kvgate_implausible_ttft_total{" not in metrics and "kvgate_provenance_foreign_total{" not in metrics
     assert 'kvgate_provenance_checks_total{model="glm-5"} 1000.0' in metrics

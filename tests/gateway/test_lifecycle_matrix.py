@@ -15,7 +15,8 @@ from gateway.admission.admit import AdmittedRequest
 from gateway.admission.dialects import Dialect
 from gateway.admission.requests import UsageOptions
 from gateway.config import TimeoutsConfig
-from gateway.lifecycle import ClientGone, Done, Failure, ExchangeRegistry, PDExchange, RelayEvent, Release, RoomAllocator
+from gateway.lifecycle import (ClientGone, Done, ExchangeRegistry, Failure, PDExchange, RelayEvent, Release,
+                               RoomAllocator, TTFTPlausibility)
 from routing.engines.errors import EngineBroken, EngineChanged, EngineError, EngineRejected, EngineUnreachable
 from routing.breaker import BreakerSpec, BreakerState
 from routing.engines.identity import EngineIdentity
@@ -41,13 +42,14 @@ class Run:
     """One exchange over fake engines, with the relay's view of it."""
 
     def __init__(self, release: Release = "verified", timeouts: TimeoutsConfig = FAST,
-                 merge_logprobs: bool = False) -> None:
+                 merge_logprobs: bool = False, plausibility: TTFTPlausibility | None = None) -> None:
         prefill, decode = _worker("http://p", "prefill"), _worker("http://d", "decode")
         self.engines = FakeEngines(prefill, decode)
         admitted = AdmittedRequest("/generate", "glm-5", True, b'{"text":"hi","sampling_params":{}}',
                                    {Dialect.V0_5_23: COUNT}, 4, UsageOptions(), merge_logprobs=merge_logprobs)
         self.exchange = PDExchange(self.engines, Lease(WorkerPair(prefill, decode)), admitted, timeouts=timeouts,
-                                   release=release, registry=ExchangeRegistry(), rooms=RoomAllocator())
+                                   release=release, registry=ExchangeRegistry(), rooms=RoomAllocator(),
+                                   plausibility=plausibility)
         self.prefill, self.decode = self.engines.prefill, self.engines.decode
 
     async def start(self) -> None:
@@ -411,4 +413,27 @@ def test_with_logprobs_even_immediate_release_waits_for_the_prefills_prompt_logp
         await _settle()
         (event,) = run.relayed()
         assert orjson.loads(event)["meta_info"]["input_token_logprobs"] == [[None, 1, None]]
+    _run(scenario)
+
+
+@pytest.mark.parametrize(("cached", "flagged"), [(0, True), (COUNT, False)])
+def test_a_fast_first_token_is_judged_by_the_tokens_prefill_did_not_have_cached(cached: int, flagged: bool) -> None:
+    """A prompt served from the radix cache prefills in milliseconds: only the uncached tokens bound the time."""
+    async def scenario() -> None:
+        rule = TTFTPlausibility(max_prefill_tokens_per_s=1.0, min_prompt_tokens=1, strict=True)  # 10 tokens ≥ 10 s
+        run = Run(plausibility=rule)
+        await run.start()
+        await run.first_token()
+        run.prefill.accept()
+        run.prefill.push(orjson.dumps({"text": "", "meta_info": {"prompt_tokens": COUNT, "cached_tokens": cached}}),
+                         END)
+        await _settle()
+        run.decode.push(b"[DONE]", END)
+        await run.finished()
+        events = run.relayed()
+        assert run.exchange.implausible_ttft is flagged
+        if flagged:
+            assert [type(e) for e in events] == [Failure] and events[0].error.code == "implausible_ttft"
+        else:
+            assert isinstance(events[-1], Done)
     _run(scenario)
