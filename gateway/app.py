@@ -20,7 +20,7 @@ from gateway.canary import CanaryProber
 from gateway.config import GatewayConfig
 from gateway.tokenize_api import TokenizeApi
 from gateway.proxy import GenerateEndpoint
-from gateway.runtime import Gateway, GateRefused
+from gateway.runtime import Gateway, GateRefused, ServedModel
 
 
 def _json(payload: object, status: int = 200) -> Response:
@@ -94,25 +94,20 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, *,
     gateway = gateway or Gateway(config, config_path=config_path)
     started = int(time.time())
 
+    def entry(model: ServedModel) -> dict[str, object]:
+        return {"id": model.name, "object": "model", "created": started, "owned_by": "kvgate",
+                "max_model_len": model.config.context_length,
+                "max_prompt_tokens": model.admission.limits.prompt_tokens, "available": model.unavailable is None}
+
     async def list_models(_: Request) -> Response:
-        data = []
-        for model in gateway.models.values():
-            limits = model.admission.limits
-            data.append({"id": model.name, "object": "model", "created": started, "owned_by": "kvgate",
-                         "max_model_len": model.config.context_length,
-                         "max_prompt_tokens": limits.prompt_tokens,
-                         "available": model.unavailable is None})
-        return _json({"object": "list", "data": data})
+        return _json({"object": "list", "data": [entry(model) for model in gateway.models.values()]})
 
     async def model(request: Request) -> Response:
         served = gateway.models.get(request.path_params["model_id"])
         if served is None:
             error = reject_unknown_model(request.path_params["model_id"], list(gateway.models))
             return Response(error.json(), status_code=error.status, media_type="application/json")
-        limits = served.admission.limits
-        return _json({"id": served.name, "object": "model", "created": started, "owned_by": "kvgate",
-                      "max_model_len": served.config.context_length, "max_prompt_tokens": limits.prompt_tokens,
-                      "available": served.unavailable is None})
+        return _json(entry(served))
 
     async def healthz(_: Request) -> Response:
         return _json({"status": "alive"})

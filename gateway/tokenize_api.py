@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.admission.requests import decode_json_object, reject_unknown_model
+from gateway.admission.pipeline import resolve_model
+from gateway.admission.requests import decode_json_object
 from gateway.errors import GatewayError, bad_request
 
 if TYPE_CHECKING:
@@ -100,12 +101,10 @@ class TokenizeApi:
 
     def _model(self, data: dict[str, Any]) -> ServedModel:
         name = data.get("model")
-        models = self.gateway.models
-        if name is None and len(models) == 1:
-            return next(iter(models.values()))
-        if not isinstance(name, str) or name not in models:
-            raise reject_unknown_model(name if isinstance(name, str) else None, list(models))
-        return models[name]
+        if name is not None and not isinstance(name, str):
+            raise bad_request("model must be a string", param="model")
+        # The same lookup as admission's; a model the gate refused still has its tokenizer, so it answers here too.
+        return resolve_model(name, self.gateway.models, lambda _: None)
 
     @staticmethod
     async def _encode(model: ServedModel, prompts: list[str], special: bool) -> list[list[int]]:
