@@ -74,6 +74,8 @@ _RELAY_LOW_WATER = 1 << 18
 # An engine's own prompt count inside an event (a key: inside a JSON string every quote is escaped).
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(-?\d+)')
 # How SGLang's decode words a failure of the bootstrap or the KV transfer from its prefill.
+# Where a /generate event's prompt logprobs start (a key: inside a JSON string every quote is escaped).
+_INPUT_LOGPROBS = re.compile(rb'"input_token_logprobs":\s*\[')
 _TRANSFER_FAILURE = re.compile(r"(?i)bootstrap|transfer|prefill")
 _PREFILL_TRANSFER_FAILURE = re.compile(r"(?i)bootstrap|transfer|decode")
 
@@ -247,6 +249,7 @@ class PDExchange:
         # /generate with return_logprob: only the prefill has the prompt's logprobs; they are prepended to every
         # decode event's, as SGLang's router does (merge_logprobs_in_json), so decode waits for prefill's answer.
         self._prompt_logprobs: list[Any] | None = None
+        self._prompt_logprobs_json: bytes | None = None
         self._released = False
         self._held: list[bytes] = []
         self._prefill_ok = False
@@ -571,16 +574,18 @@ class PDExchange:
         return True
 
     def _merged(self, payload: bytes) -> bytes:
-        """A decode event with the prefill's prompt logprobs in front of its own (only when asked for)."""
+        """A decode event with the prefill's prompt logprobs in front of its own (only when asked for). The prompt's
+        list is encoded once and spliced in: every streamed event carries it, and it may be long."""
         if self._prompt_logprobs is None:
             return payload
-        event = orjson.loads(payload)
-        meta = event.get("meta_info") if isinstance(event, dict) else None
-        if not isinstance(meta, dict):
-            return payload
-        own = meta.get("input_token_logprobs")
-        meta["input_token_logprobs"] = [*self._prompt_logprobs, *(own if isinstance(own, list) else ())]
-        return orjson.dumps(event)
+        if self._prompt_logprobs_json is None:
+            self._prompt_logprobs_json = orjson.dumps(self._prompt_logprobs)[1:-1]
+        found = _INPUT_LOGPROBS.search(payload)
+        if found is None or not self._prompt_logprobs_json:
+            return payload  # the engine sent no list to extend (or there is nothing to add)
+        at = found.end()
+        glue = b"" if payload[at:at + 1] == b"]" else b","
+        return payload[:at] + self._prompt_logprobs_json + glue + payload[at:]
 
     def _verify_count(self, role: str, worker: Worker, reported: int | None, expected: int) -> None:
         if reported == expected:

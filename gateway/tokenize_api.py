@@ -28,6 +28,7 @@ _MAX_ITEMS = 1024
 # Returning ids builds one Python int each, under the GIL: beyond this the event loop would stall (count with
 # /generate instead: admission counts any size without building ids).
 _MAX_CHARS = 2 * 2**20
+_MAX_IDS = 2**21  # detokenize: ids checked and decoded per request
 
 
 def _answer(payload: Any) -> Response:
@@ -36,6 +37,11 @@ def _answer(payload: Any) -> Response:
 
 def _error(error: GatewayError) -> Response:
     return Response(error.json(), status_code=error.status, media_type="application/json")
+
+
+def _valid_ids(batches: list[Any], vocab: int) -> bool:
+    return all(isinstance(b, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                           for t in b) for b in batches)
 
 
 class TokenizeApi:
@@ -78,12 +84,17 @@ class TokenizeApi:
             data = decode_json_object(await self._body(request))
             model = self._model(data)
             tokens = data.get("tokens")
-            single = isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
+            if not isinstance(tokens, list):
+                raise bad_request("tokens must be a list of token ids, or a list of such lists", param="tokens")
+            single = not tokens or not isinstance(tokens[0], list)
             batches = [tokens] if single else tokens
+            total = sum(len(b) if isinstance(b, list) else 1 for b in batches)  # lengths only: cheap
+            if len(batches) > _MAX_ITEMS or total > _MAX_IDS:
+                raise GatewayError(413, f"detokenize answers at most {_MAX_IDS} token ids", code="body_too_large",
+                                   param="tokens")
             vocab = model.admission.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
-            if not isinstance(batches, list) or len(batches) > _MAX_ITEMS or not all(
-                    isinstance(b, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                for t in b) for b in batches):
+            valid = await asyncio.get_running_loop().run_in_executor(None, _valid_ids, batches, vocab)
+            if not valid:
                 raise bad_request(f"tokens must be a list of token ids in [0, {vocab}), or a list of such lists",
                                   param="tokens")
         except GatewayError as error:

@@ -132,3 +132,5 @@ def test_tokenize_counts_as_admission_does_and_detokenize_inverts_it(gateway: Ru
     unknown = httpx.post(gateway.url + "/v1/detokenize", json={"model": "nope", "tokens": [1]}, timeout=10)
     assert unknown.status_code == 404
     assert httpx.post(gateway.url + "/v1/detokenize", json={"tokens": [-1]}, timeout=10).status_code == 400
+    too_many = httpx.post(gateway.url + "/v1/detokenize", json={"tokens": [1] * (2**21 + 1)}, timeout=30)
+    assert too_many.status_code == 413  # counted by length before a single id is checked
