@@ -1,4 +1,5 @@
-"""The admin API: workers (list, add, drain, remove) and configuration reload, behind a bearer token.
+"""The admin API: workers (list, add, drain, remove), configuration reload, the fleet-wide kill switch and aborts by
+request id, behind a bearer token.
 
 The token is read from the environment variable that `admin.token_env` names, at each request (so it can be rotated
 by restarting nothing but the secret's mount); without one the API answers 403. Every answer carries x-request-id
@@ -12,17 +13,22 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.config import ConfigError, DecodeWorkerConfig, PrefillWorkerConfig
 from gateway.reload import reload
+from routing.state import StateUnavailable
 from routing.membership import Member, WorkerExists, WorkerRefused
 from routing.workers import WorkerSpec
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway
+
+
+_STATE_FAILURES = (RedisError, OSError, TimeoutError, StateUnavailable)
 
 
 def _answer(status: int, payload: Any) -> Response:
@@ -42,7 +48,10 @@ class AdminApi:
                 Route("/admin/workers", self._guarded(self.add_worker), methods=["POST"]),
                 Route("/admin/workers/{id}/drain", self._guarded(self.drain_worker), methods=["POST"]),
                 Route("/admin/workers/{id}", self._guarded(self.remove_worker), methods=["DELETE"]),
-                Route("/admin/reload", self._guarded(self.reload), methods=["POST"])]
+                Route("/admin/reload", self._guarded(self.reload), methods=["POST"]),
+                Route("/admin/models/{name:path}/disable", self._guarded(self.disable_model), methods=["POST"]),
+                Route("/admin/models/{name:path}/enable", self._guarded(self.enable_model), methods=["POST"]),
+                Route("/admin/requests/{id}/abort", self._guarded(self.abort_request), methods=["POST"])]
 
     def _guarded(self, handler: Any) -> Any:
         async def endpoint(request: Request) -> Response:
@@ -103,6 +112,41 @@ class AdminApi:
         except ConfigError as exc:
             return _error(400, f"reload refused, running configuration kept: {exc}", "reload_refused")
         return _answer(200, {"reloaded": True, "changes": changes})
+
+    async def disable_model(self, request: Request) -> Response:
+        """The kill switch: every replica answers the model's new requests with 503 within a sync interval (at once
+        when pub/sub delivers); `?cancel_inflight=true` also cancels its requests in flight, on both halves."""
+        cancel = request.query_params.get("cancel_inflight", "false").lower() in ("1", "true", "yes")
+        return await self._switch(request, disabled=True, cancel=cancel)
+
+    async def enable_model(self, request: Request) -> Response:
+        return await self._switch(request, disabled=False, cancel=False)
+
+    async def _switch(self, request: Request, *, disabled: bool, cancel: bool) -> Response:
+        name = request.path_params["name"]
+        if name not in self.gateway.models:
+            return _error(404, f"no model named {name!r}", "model_not_found")
+        fleet = self.gateway.fleet
+        try:
+            await fleet.state.set_disabled(name, disabled, cancel_inflight=cancel)
+        except _STATE_FAILURES as exc:
+            return _error(503, f"the shared state did not take the change: {exc}", "state_unavailable")
+        await fleet.sync_now()  # this replica follows at once; the others on their next sync
+        return _answer(200, {"model": name, "disabled": disabled, "cancel_inflight": cancel})
+
+    async def abort_request(self, request: Request) -> Response:
+        """Cancel a request in flight by the x-request-id the gateway returned, on whichever replica owns it."""
+        request_id = request.path_params["id"]
+        local = self.gateway.abort_local(request_id)
+        if local:
+            return _answer(200, {"request_id": request_id, "aborted": local, "replica": self.gateway.fleet.replica})
+        try:
+            owner = await self.gateway.fleet.state.request_abort(request_id)
+        except _STATE_FAILURES as exc:
+            return _error(503, f"the shared state could not be asked: {exc}", "state_unavailable")
+        if owner is None:
+            return _error(404, f"no request {request_id!r} in flight on any live replica", "request_not_found")
+        return _answer(202, {"request_id": request_id, "replica": owner})
 
     def _member(self, request: Request) -> Member | None:
         assert self.gateway.membership is not None

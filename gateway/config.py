@@ -5,6 +5,7 @@ A bad file fails at startup with `ConfigError`, whose message names the offendin
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -297,6 +298,70 @@ class ShutdownConfig(_Strict):
     grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may take to finish")
 
 
+class StateConfig(_Strict):
+    """Where the state several replicas share lives: this process (memory) or Redis."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str | None = Field(None, pattern=r"^rediss?://", description="redis://HOST:PORT/DB")
+    redis_sentinels: list[str] = Field(default_factory=list, description="HOST:PORT of each Sentinel")
+    redis_service: str | None = Field(None, description="the primary's name in Sentinel")
+    on_redis_down: Literal["open", "closed"] = Field("open", description="open: carry on with this replica's own "
+                                                     "limits and load; closed: answer 503 until Redis is back")
+    timeout_s: float = Field(0.25, gt=0, le=5, description="longest wait for one Redis call")
+    lease_s: float = Field(30.0, gt=0, description="a replica that stops renewing its lease counts no more load "
+                           "after this long")
+    sync_interval_s: float = Field(0.25, gt=0, le=5, description="how often a replica publishes its load and "
+                                   "reads the fleet's (kill switches reach it within this, or at once by pub/sub)")
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _host_ports(cls, sentinels: list[str]) -> list[str]:
+        for entry in sentinels:
+            host, _, port = entry.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"{entry!r} is not HOST:PORT")
+        return sentinels
+
+    @model_validator(mode="after")
+    def _redis_named(self) -> StateConfig:
+        if self.backend == "redis" and not self.redis_url and not self.redis_sentinels:
+            raise ValueError("backend redis needs redis_url, or redis_sentinels and redis_service")
+        if self.redis_sentinels and not self.redis_service:
+            raise ValueError("redis_sentinels needs redis_service (the primary's name in Sentinel)")
+        return self
+
+
+class AuthConfig(_Strict):
+    required: bool = Field(False, description="requests without a known API key get 401")
+    cache_salt_secret_env: str = Field("KVGATE_CACHE_SALT_SECRET", min_length=1, description="environment "
+                                       "variable holding the key of the tenants' prefix-cache salts (unset: one "
+                                       "the replicas share through the state backend)")
+
+
+class TenantLimitsConfig(_Strict):
+    requests_per_min: int | None = Field(None, gt=0)
+    prompt_tokens_per_min: int | None = Field(None, gt=0, description="charged with kvgate's own count")
+    output_tokens_per_min: int | None = Field(None, gt=0, description="charged as they are produced")
+    max_concurrent: int | None = Field(None, gt=0)
+
+
+class TenantConfig(_Strict):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    api_keys: list[str] = Field(default_factory=list, description='"sha256:<hex of the key>" each')
+    limits: TenantLimitsConfig = TenantLimitsConfig()
+    cache_group: str | None = Field(None, min_length=1, description="tenants naming the same group share a "
+                                    "prefix-cache salt (default: the tenant's own)")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _hashed(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if not re.fullmatch(r"sha256:[0-9a-f]{64}", key):
+                raise ValueError("api_keys are stored hashed: \"sha256:\" and 64 lowercase hex digits "
+                                 "(e.g. printf %s \"$KEY\" | sha256sum)")
+        return keys
+
+
 class GatewayConfig(_Strict):
     listen: ListenConfig = ListenConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
@@ -307,6 +372,9 @@ class GatewayConfig(_Strict):
     discovery: DiscoveryConfig = DiscoveryConfig()
     logging: LoggingConfig = LoggingConfig()
     tracing: TracingConfig = TracingConfig()
+    state: StateConfig = StateConfig()
+    auth: AuthConfig = AuthConfig()
+    tenants: list[TenantConfig] = Field(default_factory=list)
     max_body_bytes: int = Field(64 * 2**20, gt=0)
     max_header_bytes: int = Field(64 * 1024, gt=0, description="request line plus all headers")
     max_headers: int = Field(100, gt=0)
@@ -321,6 +389,12 @@ class GatewayConfig(_Strict):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"model names must be unique, repeated: {duplicates}")
+        tenants = [t.name for t in self.tenants]
+        if len(set(tenants)) != len(tenants):
+            raise ValueError("tenant names must be unique")
+        keys = [k for t in self.tenants for k in t.api_keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("an API key may belong to one tenant only")
         return self
 
     def model(self, name: str) -> ModelConfig | None:

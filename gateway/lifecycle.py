@@ -222,13 +222,14 @@ class PDExchange:
                  release: Release, registry: ExchangeRegistry, rooms: RoomAllocator,
                  on_closed: Callable[[PDExchange], None] | None = None, retries: Retries | None = None,
                  engine_headers: tuple[tuple[bytes, bytes], ...] = (),
-                 plausibility: TTFTPlausibility | None = None) -> None:
+                 plausibility: TTFTPlausibility | None = None, cache_salt: str | None = None) -> None:
         self.engines = engines
         self._lease = lease
         self.pair = pair = lease.pair
         self.admitted = admitted
         self.timeouts = timeouts
         self.rid = new_rid()
+        self.request_id: str | None = None  # the client-facing x-request-id (an operator's abort handle)
         self.room = rooms.acquire()
         self.events = RelayQueue()
         self.failure: Failure | None = None
@@ -263,6 +264,7 @@ class PDExchange:
         self._retries = retries
         self._engine_headers = engine_headers  # e.g. the trace context, on both engine requests
         self._plausibility = plausibility
+        self._cache_salt = cache_salt  # the engines' prefix-cache namespace (SGLang's extra_key): the tenant's
         self.implausible_ttft = False  # the first token came sooner than any real prefill of this prompt could
         self._prefill_cached: int | None = None  # prompt tokens prefill took from its radix cache (when reported)
         self._ttft_judged = False
@@ -398,6 +400,8 @@ class PDExchange:
         owned = b',"rid":%s,"bootstrap_room":%d,"bootstrap_host":%s,"bootstrap_port":%s' % (
             orjson.dumps(self.rid), self.room, orjson.dumps(prefill.bootstrap_host),
             orjson.dumps(prefill.bootstrap_port))
+        if self._cache_salt is not None:
+            owned += b',"extra_key":' + orjson.dumps(self._cache_salt)
         # The decode always streams, to see the first token; on the OpenAI routes it reports usage in every event.
         decode_extra = b',"stream":true' if self.admitted.route == "/generate" else \
             b',"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}'

@@ -8,7 +8,6 @@ nothing. A watcher task reads `http.disconnect` and hands the exchange over to `
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import re
 import time
 from typing import TYPE_CHECKING
@@ -22,6 +21,8 @@ from gateway.errors import GatewayError
 from gateway.lifecycle import ClientGone, Done, Failure, PDExchange
 from gateway.probe import is_probe
 from gateway.telemetry.record import RequestRecord
+from gateway.tenancy.limiter import RateLimited, StateDown
+from gateway.tenancy.tenants import CANARY
 from routing.pools import NoWorkerAvailable, PoolSaturated
 
 if TYPE_CHECKING:
@@ -58,15 +59,6 @@ async def read_body(scope: Scope, receive: Receive, body: RequestBody, limit: in
         body.add(chunk)
         if not message.get("more_body", False):
             return
-
-
-def tenant_of(scope: Scope) -> str:
-    """The client's identity for per-tenant state: its API key's hash, else its address."""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            return "key:" + hashlib.sha256(value).hexdigest()[:32]
-    client = scope.get("client")
-    return f"addr:{client[0]}" if client else "addr:unknown"
 
 
 async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -113,6 +105,9 @@ class GenerateEndpoint:
             await self._refuse(send, record, GatewayError(503, "the gateway is shutting down", code="shutting_down"),
                                [*_CLOSE, (b"retry-after", b"1")])
             return
+        if self.gateway.fleet.closed:
+            await self._refuse(send, record, StateDown(), [(b"retry-after", b"1")])
+            return
         with RequestBody() as body:
             exchange = await self._admit(scope, receive, send, body, record)
         if exchange is None:
@@ -132,6 +127,13 @@ class GenerateEndpoint:
         """Read, count and check the request, and dispatch it; or answer the error and return None."""
         gateway = self.gateway
         try:
+            tenant = CANARY if record.probe else await gateway.fleet.tenants.identify(scope["headers"],
+                                                                                    scope.get("client"))
+        except GatewayError as error:  # before the body is read: an unknown client costs nothing more
+            await self._refuse(send, record, error, [(b"www-authenticate", b"Bearer")])
+            return None
+        record.tenant = tenant.name
+        try:
             async with asyncio.timeout(gateway.config.timeouts.client_body_s):
                 await read_body(scope, receive, body, gateway.config.max_body_bytes)
         except TimeoutError:
@@ -146,28 +148,38 @@ class GenerateEndpoint:
             return None
         try:
             started = time.perf_counter()
-            model, admitted = await gateway.admit(self.route, body, tenant=tenant_of(scope))
+            model, admitted = await gateway.admit(self.route, body, tenant=tenant.name)
             record.model = model.name
             record.admitted = admitted
-            record.tenant = tenant_of(scope)
             record.sampled = gateway.samples_provenance(model) and not record.probe  # the canary is not a tenant
             record.admission_s = time.perf_counter() - started
-            key = model.route_key(admitted, scope["headers"])
-            started = time.perf_counter()
-            lease = await model.pool.acquire_pair(key)
-            record.queue_s = time.perf_counter() - started
-        except NoWorkerAvailable as exc:
-            await self._refuse(send, record, GatewayError(503, str(exc), code="no_worker_available"))
-            return None
-        except PoolSaturated as exc:
-            await self._refuse(send, record, GatewayError(503, str(exc), code="overloaded"),
-                               [(b"retry-after", str(exc.retry_after_s).encode())])
+            tenant_pass = await gateway.fleet.limiter.admit(tenant, admitted.most_prompt_tokens)
+        except (RateLimited, StateDown) as error:
+            await self._refuse(send, record, error, [(b"retry-after", str(error.retry_after_s).encode())])
             return None
         except GatewayError as error:
             await self._refuse(send, record, error)
             return None
+        salt = gateway.fleet.salts.salt(tenant.salt_group, admitted.cache_salt)
+        key = model.route_key(admitted, scope["headers"], salt)
+        try:
+            started = time.perf_counter()
+            lease = await model.pool.acquire_pair(key)
+            record.queue_s = time.perf_counter() - started
+        except NoWorkerAvailable as exc:
+            tenant_pass.release()
+            await self._refuse(send, record, GatewayError(503, str(exc), code="no_worker_available"))
+            return None
+        except PoolSaturated as exc:
+            tenant_pass.release()
+            await self._refuse(send, record, GatewayError(503, str(exc), code="overloaded"),
+                               [(b"retry-after", str(exc.retry_after_s).encode())])
+            return None
+        except BaseException:  # e.g. cancelled while queued
+            tenant_pass.release()
+            raise
         return gateway.dispatch(model, lease, admitted, key, traceparent=record.engine_traceparent,
-                                request_id=record.request_id)
+                                request_id=record.request_id, tenant_pass=tenant_pass, cache_salt=salt)
 
     @staticmethod
     async def _refuse(send: Send, record: RequestRecord, error: GatewayError,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -20,8 +21,11 @@ from gateway.admission.pipeline import admit_body, build_admission, resolve_mode
 from gateway.admission.requests import Route
 from gateway.body import RequestBody
 from gateway.config import GatewayConfig, HealthConfig, ModelConfig
+from gateway.errors import GatewayError
+from gateway.fleet import Fleet
 from gateway.lifecycle import ExchangeRegistry, PDExchange, Retries, RoomAllocator, TTFTPlausibility
 from gateway.preflight import describe_refusal
+from gateway.tenancy.limiter import TenantPass
 from gateway.provenance import ProvenanceWindow, answer_text, texts_in
 from gateway.telemetry.loop_lag import LoopLagProbe
 from gateway.telemetry.metrics import GatewayMetrics
@@ -40,6 +44,7 @@ from routing.policies import NO_KEY, RouteKey, make_policy
 from routing.pools import Lease, ModelPool, NoWorkerAvailable, PoolSaturated, pool_for
 from routing.retry_budget import RetryBudget
 from routing.specs import HealthSpec, ModelSpec, PoolLimits
+from routing.state import FleetReport, FleetView
 from routing.stable_hash import stable_hash
 from routing.workers import Worker, WorkerSpec
 
@@ -59,6 +64,15 @@ class ServedModel:
     unavailable: str | None = None
     # A model refused at startup stays refused until every one of its workers passes again.
     refused_at_startup: bool = False
+    disabled: bool = False  # the fleet-wide kill switch: an operator turned the model off (503)
+    fleet_limit: int | None = None  # the lowest prompt limit any live replica's gate measured
+
+    @property
+    def refusal(self) -> str | None:
+        """Why requests for the model get 503 now, or None while it is served."""
+        if self.disabled:
+            return "the model is disabled by an operator (fleet-wide kill switch)"
+        return self.unavailable
 
     @property
     def name(self) -> str:
@@ -68,8 +82,10 @@ class ServedModel:
     def chat_settings(self) -> ChatSettings:
         return self.admission.chat
 
-    def route_key(self, admitted: AdmittedRequest, headers: list[tuple[bytes, bytes]]) -> RouteKey:
-        """What the model's policies route this request by."""
+    def route_key(self, admitted: AdmittedRequest, headers: list[tuple[bytes, bytes]], salt: str) -> RouteKey:
+        """What the model's policies route this request by. The prefix is hashed with the engines' cache salt: two
+        tenants' equal prompts share no cached pages, so sending them to one engine would promise hits it cannot
+        serve."""
         session = None
         header = self.affinity_header
         if header is not None:
@@ -77,7 +93,9 @@ class ServedModel:
             session = stable_hash(value) if value is not None else None
         if admitted.prefix_hash is None and session is None:
             return NO_KEY
-        return RouteKey(prefix=admitted.prefix_hash, session=session)
+        prefix = None if admitted.prefix_hash is None else \
+            stable_hash(admitted.prefix_hash.to_bytes(8, "little"), salt.encode())
+        return RouteKey(prefix=prefix, session=session)
 
     @property
     def affinity_header(self) -> bytes | None:
@@ -170,6 +188,10 @@ class Gateway:
         self.loop_lag = LoopLagProbe(self.metrics.loop_lag)
         self.tracing = Tracing(config.tracing)
         self.provenance: dict[str, ProvenanceWindow] = {}
+        self.fleet = Fleet(config.state, config.auth, config.tenants, self.metrics)
+        self._by_request_id: dict[str, set[PDExchange]] = {}  # for aborts by x-request-id
+        self._passes: dict[PDExchange, TenantPass] = {}  # each exchange's hold on its tenant's limits
+        self._state_calls: set[asyncio.Task[None]] = set()
         self._provenance_thread = ThreadPoolExecutor(1, thread_name_prefix="kvgate-provenance")
 
     async def start(self) -> None:
@@ -210,6 +232,7 @@ class Gateway:
         if resolver is not None:
             self.discovery = Discovery(self.membership, sources, resolver)
             self.discovery.start()
+        await self.fleet.start(self._fleet_report, self._apply_fleet_view)
 
     async def _poll_loads(self, model: ServedModel) -> None:
         """Engines' own loads are read while, and only while, a power_of_two policy uses them."""
@@ -246,6 +269,7 @@ class Gateway:
         if self.monitor is not None:
             await self.monitor.stop()
         await self.drain(grace_s=0 if self.shutting_down else self.config.shutdown.grace_s)
+        await self.fleet.stop()
         if self.engines is not None:
             await self.engines.close()
         if self.admission_workers is not None:
@@ -299,7 +323,7 @@ class Gateway:
         return changes
 
     def model_for(self, name: str | None) -> ServedModel:
-        return resolve_model(name, self.models, lambda model: model.unavailable)
+        return resolve_model(name, self.models, lambda model: model.refusal)
 
     async def admit(self, route: Route, body: RequestBody, *, tenant: str) -> tuple[ServedModel, AdmittedRequest]:
         """Count and check a body: on the event loop when it is small, in an admission worker when it is large."""
@@ -308,13 +332,14 @@ class Gateway:
             admitted = await admit_body(route, raw, tenant=tenant, find_model=self.model_for)
         else:
             assert self.admission_workers is not None and body.path is not None
-            state = {m.name: ModelState(m.admission.limits, m.dialects(), m.unavailable) for m in self.models.values()}
+            state = {m.name: ModelState(m.admission.limits, m.dialects(), m.refusal) for m in self.models.values()}
             admitted = await self.admission_workers.admit(route, body.path, tenant=tenant, state=state)
         return self.models[admitted.model], admitted
 
     def dispatch(self, model: ServedModel, lease: Lease, admitted: AdmittedRequest,
                  key: RouteKey = NO_KEY, *, traceparent: str | None = None,
-                 request_id: str | None = None) -> PDExchange:
+                 request_id: str | None = None, tenant_pass: TenantPass | None = None,
+                 cache_salt: str | None = None) -> PDExchange:
         assert self.engines is not None
 
         def repick(tried: Collection[Worker]) -> Lease | None:
@@ -329,9 +354,28 @@ class Gateway:
                               release=model.config.release, registry=self.exchanges, rooms=self.rooms,
                               on_closed=self._exchange_closed, retries=retries,
                               engine_headers=_engine_headers(traceparent, request_id),
-                              plausibility=_plausibility(model.config))
+                              plausibility=_plausibility(model.config), cache_salt=cache_salt)
+        if tenant_pass is not None:
+            self._passes[exchange] = tenant_pass
+        if request_id is not None:
+            exchange.request_id = request_id
+            self._by_request_id.setdefault(request_id, set()).add(exchange)
+            self._spawn_state_call(self.fleet.state.register_request(request_id))
         exchange.start()
         return exchange
+
+    def abort_local(self, request_id: str) -> int:
+        """Cancel, on both halves, every exchange of this replica that carries `request_id`; how many."""
+        exchanges = list(self._by_request_id.get(request_id, ()))
+        for exchange in exchanges:
+            self.metrics.operator_aborts.labels(exchange.admitted.model).inc()
+            exchange.fail(GatewayError(503, "the request was aborted by an operator", code="aborted_by_operator"))
+        return len(exchanges)
+
+    def _spawn_state_call(self, call: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(call)
+        self._state_calls.add(task)
+        task.add_done_callback(self._state_calls.discard)
 
     def ready(self) -> tuple[bool, dict[str, str]]:
         """Whether every model has a usable prefill and decode worker, with the reason for each that has not."""
@@ -394,6 +438,50 @@ class Gateway:
 
     def _exchange_closed(self, exchange: PDExchange) -> None:
         observe_exchange(self.metrics, exchange)
+        tenant_pass = self._passes.pop(exchange, None)
+        if tenant_pass is not None:
+            tenant_pass.release(output_tokens=exchange.output_events)
+        request_id = exchange.request_id
+        if request_id is not None:
+            same = self._by_request_id.get(request_id)
+            if same is not None:
+                same.discard(exchange)
+                if not same:
+                    del self._by_request_id[request_id]
+            self._spawn_state_call(self.fleet.state.unregister_request(request_id))
+
+    # ── the fleet ───────────────────────────────────────────────────────────────────────────────────────────
+    def _fleet_report(self) -> FleetReport:
+        loads = {w.url: w.in_flight for m in self.models.values() for w in m.pool.workers}
+        limits = {name: j.effective_limit for name, j in self.judgements.items() if j.effective_limit > 0}
+        return FleetReport(loads=loads, limits=limits)
+
+    def _apply_fleet_view(self, view: FleetView) -> None:
+        """Follow the fleet: other replicas' load on each worker, the lowest measured limit, kill switches, aborts."""
+        for model in self.models.values():
+            for worker in model.pool.workers:
+                worker.note_fleet_load(view.loads_elsewhere.get(worker.url, 0))
+            fleet_limit = view.limits.get(model.name)
+            if fleet_limit != model.fleet_limit:
+                model.fleet_limit = fleet_limit
+                judgement = self.judgements.get(model.name)
+                if judgement is not None:
+                    self._update_limits(model, judgement)
+            self._follow_kill_switch(model, view.disabled)
+        for request_id in view.aborts:
+            self.abort_local(request_id)
+
+    def _follow_kill_switch(self, model: ServedModel, switches: dict[str, bool]) -> None:
+        disabled = model.name in switches
+        if disabled != model.disabled:
+            model.disabled = disabled
+            log.warning("model %s %s fleet-wide by an operator", model.name, "disabled" if disabled else "enabled")
+            self.metrics.model_available.labels(model.name).set(0 if model.refusal else 1)
+        if disabled and switches[model.name]:
+            for exchange in [e for e in self.exchanges.running if e.admitted.model == model.name]:
+                self.metrics.operator_aborts.labels(model.name).inc()
+                exchange.fail(GatewayError(503, f"model {model.name!r} was disabled by an operator",
+                                           code="model_disabled"))
 
     def _apply_judgement(self, judgement: ModelJudgement, startup: bool) -> None:
         """Follow a judgement (its verdicts are already applied to the workers) before the next request is admitted:
@@ -421,8 +509,11 @@ class Gateway:
 
     def _update_limits(self, model: ServedModel, judgement: ModelJudgement) -> None:
         config, old = model.config, model.admission.limits
+        prompt_limit = judgement.effective_limit
+        if model.fleet_limit is not None and 0 < model.fleet_limit < prompt_limit:
+            prompt_limit = model.fleet_limit  # another replica measured smaller pools: the fleet applies the least
         limits = PromptLimits(
-            prompt_tokens=judgement.effective_limit, context_length=config.context_length,
+            prompt_tokens=prompt_limit, context_length=config.context_length,
             default_output_tokens=config.default_max_tokens, max_output_tokens=config.max_output_tokens,
             decode_pool_tokens=judgement.decode_pool_tokens)
         if limits == old:
@@ -450,7 +541,7 @@ class Gateway:
         metrics.model_configured_limit.labels(model.name).set(judgement.configured_limit)
         metrics.model_effective_limit.labels(model.name).set(model.admission.limits.prompt_tokens)
         metrics.model_clamped.labels(model.name).set(1 if judgement.verdict == "clamp" else 0)
-        metrics.model_available.labels(model.name).set(0 if model.unavailable else 1)
+        metrics.model_available.labels(model.name).set(0 if model.refusal else 1)
         for verdict in ("pass", "warn", "clamp", "refuse"):
             metrics.gate_verdict.labels(model.name, verdict).set(1 if judgement.verdict == verdict else 0)
 

@@ -49,6 +49,7 @@ class Worker:
         self._healthy = True
         self._out_reason = "not verified yet"
         self._in_flight = 0
+        self._in_flight_elsewhere = 0  # other gateway replicas' requests on this engine, as of the last fleet sync
         self._failures = 0
         self._successes = 0
         self._on_needs_verification: Callable[[Worker], None] | None = None
@@ -95,7 +96,13 @@ class Worker:
 
     @property
     def in_flight(self) -> int:
+        """Requests this gateway process has in flight on the engine."""
         return self._in_flight
+
+    @property
+    def fleet_in_flight(self) -> int:
+        """Requests every live gateway replica has in flight on the engine (others' as of the last fleet sync)."""
+        return self._in_flight + self._in_flight_elsewhere
 
     @property
     def draining(self) -> bool:
@@ -176,6 +183,9 @@ class Worker:
 
     def note_checks(self, outcomes: Iterable[CheckOutcome]) -> None:
         self._checks = tuple(outcomes)
+
+    def note_fleet_load(self, elsewhere: int) -> None:
+        self._in_flight_elsewhere = max(0, elsewhere)
 
     def record_engine_load(self, tokens: int) -> None:
         self._engine_load = (time.monotonic(), tokens)

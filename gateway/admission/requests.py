@@ -80,7 +80,9 @@ class ClientRequest:
     prompt: Prompt
     max_tokens: int | None
     usage: UsageOptions
-    cache_salt: str | None = None  # routing only (prefix affinity): never forwarded, SGLang has no such field
+    # The client's cache_salt (or extra_key): never forwarded as sent; kvgate sends its tenant's keyed salt instead
+    # (gateway.tenancy.salts), of which this is one input.
+    cache_salt: str | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -122,12 +124,17 @@ def parse_request(route: Route, data: dict[str, Any], chat: ChatSettings) -> Cli
         request = _parse_completion(data)
     else:
         request = _parse_generate(data)
-    salt = data.get("cache_salt")
-    if salt is None:
+    salts = []
+    for key in ("cache_salt", "extra_key"):  # SGLang's two names for the prefix-cache namespace
+        salt = data.get(key)
+        if salt is None:
+            continue
+        if not isinstance(salt, str) or len(salt) > 256:
+            raise bad_request(f"{key} must be a string of at most 256 characters", param=key)
+        salts.append(salt)
+    if not salts:
         return request
-    if not isinstance(salt, str) or len(salt) > 256:
-        raise bad_request("cache_salt must be a string of at most 256 characters", param="cache_salt")
-    return dataclasses.replace(request, cache_salt=salt)
+    return dataclasses.replace(request, cache_salt="\0".join(salts))
 
 
 def _parse_chat(data: dict[str, Any], settings: ChatSettings) -> ClientRequest:

@@ -116,6 +116,14 @@ class GatewayMetrics:
                                   "(pass, warn, clamp, refuse)", ["model", "verdict"], registry=r)
         self.limit_clamps = Counter("kvgate_startup_limit_clamped", "Times a model's limit was clamped to its pools",
                                     ["model"], registry=r)
+        # ── the fleet's shared state ────────────────────────────────────────────────────────────────────────────
+        self.state_up = Gauge("kvgate_state_backend_up", "1 while the shared state (Redis) answers; memory: 1",
+                              registry=r)
+        self.state_up.set(1)
+        self.state_errors = Counter("kvgate_state_backend_errors", "Shared-state calls that failed (timeout, "
+                                    "connection), by operation", ["operation"], registry=r)
+        self.operator_aborts = Counter("kvgate_operator_aborts", "Requests in flight cancelled by an operator (abort "
+                                       "by request id, or a model's kill switch)", ["model"], registry=r)
         self.loop_lag = Histogram("kvgate_event_loop_lag_seconds", "How late a timer on the event loop fires",
                                   buckets=_FAST_SECONDS, registry=r)
 

@@ -19,6 +19,7 @@ from .errors import HTTPError
 from .faults import Fault
 from .formats import BAD_REQUEST, Format, NativeFormat, PromptSpec, StreamState, openai_error, sse
 from .httpcore import Request
+from .prefix_cache import namespace
 from .openai_formats import ChatFormat, CompletionFormat
 from .reqlog import ABORTED, CLIENT_DISCONNECTED, ERROR, FINISHED, ReqRecord
 from .tokenizer import StreamDetokenizer
@@ -70,6 +71,7 @@ class GenerationAPI:
         rec.bootstrap_room, rec.bootstrap_host, rec.bootstrap_port = room, host, port
         rec.traceparent = req.headers.get("traceparent")
         rec.request_id = req.headers.get("x-request-id")
+        rec.extra_key = namespace(body)
         eng.log.add(rec)
         fault = eng.faults.take("generation", req.path, rec.rid)
         extra_first_delay = 0.0
@@ -90,6 +92,7 @@ class GenerationAPI:
             req.respond(e.status, fmt.error_body(e.status, e.message, e.err_type))
             return
         rec.prompt_tokens = len(ids)
+        rec.cached_tokens = eng.prefix_cache.match_and_insert(rec.extra_key, ids)
         gen = Gen(rec, ids, spec.max_new, fmt.default_max_new, host, port, room if isinstance(room, int) else None)
         gen.prompt_offset = prompt_offset
         gen.hide_stub = self.cfg.hide_stub

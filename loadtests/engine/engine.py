@@ -18,6 +18,7 @@ from .kvlink import Claim, DecodeLinks, RoomRegistry, RoomRejected, TransferFail
 from .kvpool import KVPool
 from .metrics import Metrics
 from .model import first_token, generate
+from .prefix_cache import PrefixCache
 from .reqlog import ABORTED, ReqRecord, RequestLog
 from .tokenizer import PromptTokenizer
 
@@ -65,6 +66,7 @@ class Engine:
         self.metrics = Metrics(cfg.model, cfg.role)
         self.faults = FaultSet()
         self.log = RequestLog(cfg.request_log_size)
+        self.prefix_cache = PrefixCache()
         self.inflight: dict[str, Gen] = {}
         self.rooms = RoomRegistry(cfg.bootstrap_timeout_s)
         self.links = DecodeLinks()

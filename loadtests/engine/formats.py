@@ -134,7 +134,8 @@ class NativeFormat(Format):
 
     def _meta(self, gen: Any, finish: dict[str, Any] | None, out: list[int], logprob: bool) -> dict[str, Any]:
         meta = {"id": gen.rid, "finish_reason": finish, "prompt_tokens": reported_prompt_tokens(gen),
-                "weight_version": "default", "total_retractions": 0, "completion_tokens": len(out), "cached_tokens": 0,
+                "weight_version": "default", "total_retractions": 0, "completion_tokens": len(out),
+                "cached_tokens": gen.rec.cached_tokens,
                 "e2e_latency": time.time() - gen.rec.arrival}
         if logprob:
             # In PD only the prefill computes the prompt's logprobs (the first token has none); a router prepends

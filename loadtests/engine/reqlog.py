@@ -15,7 +15,8 @@ ERROR = "error"
 class ReqRecord:
     __slots__ = ("rid", "role", "path", "stream", "bootstrap_room", "bootstrap_host", "bootstrap_port", "arrival",
                  "end", "outcome", "status", "error", "prompt_tokens", "completion_tokens", "transferred_tokens",
-                 "connection_closed", "fault", "first_token", "traceparent", "request_id")
+                 "connection_closed", "fault", "first_token", "traceparent", "request_id", "extra_key",
+                 "cached_tokens")
 
     def __init__(self, rid: str, role: str, path: str, stream: bool) -> None:
         self.rid = rid
@@ -38,6 +39,8 @@ class ReqRecord:
         self.first_token: float | None = None  # when the first output token was produced (decode streams)
         self.traceparent: str | None = None  # the W3C trace context the request came with
         self.request_id: str | None = None  # its x-request-id header
+        self.extra_key = ""  # its prefix-cache namespace (cache_salt and extra_key)
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache of that namespace
 
     def finish(self, outcome: str, status: int | None, error: str | None = None) -> None:
         if self.outcome is None:

@@ -14,7 +14,8 @@ LOAD_GUARD_REL = 1.5
 
 
 def _within_guard(worker: Worker, least: int) -> bool:
-    return worker.in_flight - least <= LOAD_GUARD_ABS or worker.in_flight <= least * LOAD_GUARD_REL
+    load = worker.fleet_in_flight
+    return load - least <= LOAD_GUARD_ABS or load <= least * LOAD_GUARD_REL
 
 
 class _Affinity:
@@ -30,7 +31,7 @@ class _Affinity:
         value = self._key(key)
         if value is None or len(workers) < 2:
             return self._fallback.pick(workers, key)
-        least = min(w.in_flight for w in workers)
+        least = min(w.fleet_in_flight for w in workers)
         preferred = first_ranked(workers, value)
         if _within_guard(preferred, least):
             return preferred

@@ -24,5 +24,5 @@ class PowerOfTwo:
         a, b = self._rng.sample(workers, 2)
         load_a, load_b = a.engine_load(self._max_age_s), b.engine_load(self._max_age_s)
         if load_a is None or load_b is None or load_a == load_b:
-            load_a, load_b = a.in_flight, b.in_flight
+            load_a, load_b = a.fleet_in_flight, b.fleet_in_flight
         return a if load_a <= load_b else b

@@ -1,0 +1,101 @@
+"""Per-tenant limits, enforced through the shared state so that every replica counts against one budget."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+
+from gateway.errors import GatewayError
+from gateway.tenancy.tenants import Tenant
+from routing.state import Budget, FleetState, StateUnavailable
+
+_REASONS = {"requests": "requests per minute", "prompt_tokens": "prompt tokens per minute",
+            "output_tokens": "output tokens per minute", "max_concurrent": "concurrent requests"}
+
+
+class RateLimited(GatewayError):
+    def __init__(self, tenant: Tenant, reason: str, retry_after_s: float) -> None:
+        super().__init__(429, f"rate limit reached for tenant {tenant.name!r}: {_REASONS.get(reason, reason)}; "
+                         f"retry after {math.ceil(retry_after_s)}s", type="rate_limit_error",
+                         code="rate_limit_exceeded")
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+
+
+class StateDown(GatewayError):
+    def __init__(self) -> None:
+        super().__init__(503, "the gateway's shared state is unreachable (state.on_redis_down: closed)",
+                         code="state_unavailable")
+        self.retry_after_s = 1
+
+
+class TenantPass:
+    """An admitted request's hold on its tenant: the concurrency slot (given back once) and its output charge."""
+
+    def __init__(self, limiter: TenantLimiter, tenant: Tenant) -> None:
+        self._limiter = limiter
+        self.tenant = tenant
+        self._released = False
+
+    def release(self, output_tokens: int = 0) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._limiter.finished(self.tenant, output_tokens)
+
+
+class TenantLimiter:
+    def __init__(self, state: FleetState) -> None:
+        self._state = state
+        self.in_flight: Counter[str] = Counter()  # tenant → its requests in flight on this replica (max_concurrent)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def admit(self, tenant: Tenant, prompt_tokens: int) -> TenantPass:
+        """Charge the request to its tenant, or raise 429 (with when to retry)."""
+        limits = tenant.limits
+        if not tenant.limited:
+            return TenantPass(self, tenant)
+        budgets = []
+        if limits.requests_per_min:
+            budgets.append(Budget("requests", limits.requests_per_min, 1))
+        if limits.prompt_tokens_per_min:
+            budgets.append(Budget("prompt_tokens", limits.prompt_tokens_per_min, prompt_tokens))
+        if limits.output_tokens_per_min:
+            budgets.append(Budget("output_tokens", limits.output_tokens_per_min, 0))
+        try:
+            decision = await self._state.admit_tenant(tenant.name, budgets, limits.max_concurrent)
+        except StateUnavailable:
+            raise StateDown() from None
+        if not decision.admitted:
+            raise RateLimited(tenant, decision.reason, decision.retry_after_s)
+        if limits.max_concurrent is not None:
+            self.in_flight[tenant.name] += 1
+        return TenantPass(self, tenant)
+
+    def finished(self, tenant: Tenant, output_tokens: int) -> None:
+        limits = tenant.limits
+        if limits.max_concurrent is not None:
+            self.in_flight[tenant.name] -= 1
+            self._spawn(self._state.release_tenant(tenant.name))
+        if limits.output_tokens_per_min and output_tokens > 0:
+            self._spawn(self._state.charge(tenant.name, Budget("output_tokens", limits.output_tokens_per_min,
+                                                               output_tokens)))
+
+    def concurrency_report(self) -> dict[str, int]:
+        """This replica's count per tenant, re-asserted on every sync (zeros once, then forgotten)."""
+        report = dict(self.in_flight)
+        for name in [name for name, count in self.in_flight.items() if count <= 0]:
+            del self.in_flight[name]
+        return report
+
+    def _spawn(self, coroutine: object) -> None:
+        task = asyncio.get_running_loop().create_task(_quietly(coroutine))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+async def _quietly(coroutine: object) -> None:
+    try:
+        await coroutine  # type: ignore[misc]
+    except StateUnavailable:
+        pass  # closed and Redis down: the next sync re-asserts this replica's counts

@@ -1,0 +1,102 @@
+"""What the shared state offers, whatever holds it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+BudgetKind = Literal["requests", "prompt_tokens", "output_tokens"]
+
+
+class StateUnavailable(Exception):
+    """The shared store cannot be reached (and the gateway is configured to fail closed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """One per-minute rate limit of a tenant, as a token bucket that holds `per_min` and refills `per_min` a minute.
+
+    A request is admitted while the bucket holds at least one unit and is then charged in full, so the bucket may go
+    below zero: over any window a tenant gets at most its limit plus one request's worth (a request is never refused
+    for being larger than the bucket, which would refuse it forever)."""
+
+    kind: BudgetKind
+    per_min: int
+    cost: int  # charged on admission; 0 only checks the bucket is not in debt (output tokens, charged later)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantDecision:
+    admitted: bool
+    retry_after_s: float = 0.0
+    reason: str = ""  # which limit refused: a Budget kind or "max_concurrent"
+
+
+@dataclass(slots=True)
+class FleetReport:
+    """What one replica tells the others on each sync."""
+
+    loads: dict[str, int] = field(default_factory=dict)  # worker URL → requests this replica has in flight there
+    limits: dict[str, int] = field(default_factory=dict)  # model → prompt-token limit this replica's gate measured
+    concurrency: dict[str, int] = field(default_factory=dict)  # tenant → its requests in flight here (0: none now)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """What the other live replicas said, and the fleet-wide switches."""
+
+    loads_elsewhere: dict[str, int]  # worker URL → requests other live replicas have in flight there
+    limits: dict[str, int]  # model → the lowest limit any live replica measured (its own included)
+    disabled: dict[str, bool]  # model → disabled fleet-wide; True: also cancel requests in flight
+    aborts: tuple[str, ...]  # request ids some replica asked this one to abort
+
+
+class FleetState(Protocol):
+    replica: str  # this process's id in the fleet
+
+    async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
+                           ) -> TenantDecision:
+        """Check every budget and the concurrency cap atomically; charge them all (and take a slot) or none."""
+        ...
+
+    async def release_tenant(self, tenant: str) -> None:
+        """Give back the concurrency slot an admitted request took."""
+        ...
+
+    async def charge(self, tenant: str, budget: Budget) -> None:
+        """Charge a budget unconditionally (output tokens, as they are produced)."""
+        ...
+
+    async def sync(self, report: FleetReport) -> FleetView:
+        """Renew this replica's leases, publish its report, and read the fleet's."""
+        ...
+
+    async def set_disabled(self, model: str, disabled: bool, *, cancel_inflight: bool = False) -> None: ...
+
+    async def register_request(self, request_id: str) -> None: ...
+
+    async def unregister_request(self, request_id: str) -> None: ...
+
+    async def request_abort(self, request_id: str) -> str | None:
+        """Ask the replica that owns `request_id` to abort it; the owner's id, or None when no live replica has it."""
+        ...
+
+    async def api_key_tenant(self, key_hash: str) -> str | None:
+        """The tenant an API key (its sha256 hex) belongs to, for keys defined in the store rather than YAML."""
+        ...
+
+    async def shared_secret(self, name: str) -> bytes:
+        """A random secret every replica agrees on, created by the first to ask."""
+        ...
+
+    async def wait_for_news(self, timeout_s: float) -> None:
+        """Return when another replica published something (a kill switch, an abort) or after `timeout_s`."""
+        ...
+
+    async def close(self) -> None: ...
+
+    @property
+    def shared(self) -> bool:
+        """Whether other replicas see this state."""
+        ...

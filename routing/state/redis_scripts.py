@@ -1,0 +1,154 @@
+"""The Lua scripts that make each shared-state change atomic in Redis (a script runs alone: no other client's
+command interleaves). Times come from the Redis server's own clock, so replicas with skewed clocks agree."""
+
+NOW = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+"""
+
+# Concurrency is a hash per tenant, one field per replica: a replica that died stops counting as soon as its lease
+# in kvgate:replicas lapses (its field is dropped then), so a crash never leaves phantom load.
+#   KEYS: bucket hash, concurrency hash, replicas zset
+#   ARGV: replica, max_concurrent (-1: none), n budgets, then n × (kind, per_min, cost)
+ADMIT = NOW + """
+local me = ARGV[1]
+local max_concurrent = tonumber(ARGV[2])
+if max_concurrent >= 0 then
+  local held = 0
+  local fields = redis.call('HGETALL', KEYS[2])
+  for i = 1, #fields, 2 do
+    local lease = redis.call('ZSCORE', KEYS[3], fields[i])
+    if fields[i] == me or (lease and tonumber(lease) > now) then
+      held = held + tonumber(fields[i + 1])
+    else
+      redis.call('HDEL', KEYS[2], fields[i])
+    end
+  end
+  if held >= max_concurrent then return {0, '1', 'max_concurrent'} end
+end
+local n = tonumber(ARGV[3])
+local levels = {}
+local wait, why = 0, ''
+for i = 0, n - 1 do
+  local kind, per_min = ARGV[4 + 3 * i], tonumber(ARGV[5 + 3 * i])
+  local level, at = redis.call('HGET', KEYS[1], kind .. ':l'), redis.call('HGET', KEYS[1], kind .. ':t')
+  if level then
+    level = math.min(per_min, tonumber(level) + math.max(0, now - tonumber(at)) * per_min / 60)
+  else
+    level = per_min
+  end
+  levels[i] = level
+  if level < 1 then
+    local w = (1 - level) * 60 / per_min + 0.001
+    if w > wait then wait, why = w, kind end
+  end
+end
+if why ~= '' then return {0, tostring(wait), why} end
+for i = 0, n - 1 do
+  local kind, cost = ARGV[4 + 3 * i], tonumber(ARGV[6 + 3 * i])
+  redis.call('HSET', KEYS[1], kind .. ':l', tostring(levels[i] - cost), kind .. ':t', tostring(now))
+end
+if n > 0 then redis.call('EXPIRE', KEYS[1], 3600) end
+if max_concurrent >= 0 then
+  redis.call('HINCRBY', KEYS[2], me, 1)
+  redis.call('EXPIRE', KEYS[2], 3600)
+end
+return {1, '0', ''}
+"""
+
+#   KEYS: bucket hash   ARGV: kind, per_min, cost
+CHARGE = NOW + """
+local kind, per_min, cost = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local level, at = redis.call('HGET', KEYS[1], kind .. ':l'), redis.call('HGET', KEYS[1], kind .. ':t')
+if level then
+  level = math.min(per_min, tonumber(level) + math.max(0, now - tonumber(at)) * per_min / 60)
+else
+  level = per_min
+end
+redis.call('HSET', KEYS[1], kind .. ':l', tostring(level - cost), kind .. ':t', tostring(now))
+redis.call('EXPIRE', KEYS[1], 3600)
+return 1
+"""
+
+#   KEYS: concurrency hash   ARGV: replica
+RELEASE = """
+local left = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
+if left <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return left
+"""
+
+# One replica's heartbeat: renew its lease, publish its loads, concurrency, limits and request registry changes,
+# collect aborts addressed to it, and read the fleet's loads, limits and kill switches.
+#   ARGV: prefix, replica, lease seconds, report (JSON)
+SYNC = NOW + """
+local p, me, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local report = cjson.decode(ARGV[4])
+local lease_ms = math.ceil(lease * 1000)
+redis.call('ZADD', p .. 'replicas', now + lease, me)
+redis.call('ZREMRANGEBYSCORE', p .. 'replicas', '-inf', now)
+local load_key = p .. 'load:' .. me
+redis.call('DEL', load_key)
+for url, count in pairs(report.loads) do redis.call('HSET', load_key, url, count) end
+redis.call('PEXPIRE', load_key, lease_ms)
+for tenant, count in pairs(report.concurrency) do
+  if count > 0 then
+    redis.call('HSET', p .. 'conc:' .. tenant, me, count)
+    redis.call('EXPIRE', p .. 'conc:' .. tenant, 3600)
+  else
+    redis.call('HDEL', p .. 'conc:' .. tenant, me)
+  end
+end
+local requests_key = p .. 'requests:' .. me
+for _, id in ipairs(report.started) do redis.call('HINCRBY', requests_key, id, 1) end
+for _, id in ipairs(report.finished) do
+  if redis.call('HINCRBY', requests_key, id, -1) <= 0 then redis.call('HDEL', requests_key, id) end
+end
+redis.call('PEXPIRE', requests_key, lease_ms)
+local live = redis.call('ZRANGEBYSCORE', p .. 'replicas', now, '+inf')
+local loads = {}
+for _, replica in ipairs(live) do
+  if replica ~= me then
+    local fields = redis.call('HGETALL', p .. 'load:' .. replica)
+    for i = 1, #fields, 2 do loads[fields[i]] = (loads[fields[i]] or 0) + tonumber(fields[i + 1]) end
+  end
+end
+local alive = {}
+for _, replica in ipairs(live) do alive[replica] = true end
+local limits = {}
+for model, limit in pairs(report.limits) do
+  local key = p .. 'limits:' .. model
+  redis.call('HSET', key, me, limit)
+  redis.call('EXPIRE', key, 3600)
+  local fields = redis.call('HGETALL', key)
+  for i = 1, #fields, 2 do
+    if alive[fields[i]] or fields[i] == me then
+      local value = tonumber(fields[i + 1])
+      if limits[model] == nil or value < limits[model] then limits[model] = value end
+    else
+      redis.call('HDEL', key, fields[i])
+    end
+  end
+end
+local disabled = {}
+local switches = redis.call('HGETALL', p .. 'disabled')
+for i = 1, #switches, 2 do disabled[switches[i]] = switches[i + 1] == '1' end
+local aborts_key = p .. 'aborts:' .. me
+local aborts = redis.call('LRANGE', aborts_key, 0, -1)
+redis.call('DEL', aborts_key)
+return cjson.encode({loads = loads, limits = limits, disabled = disabled, aborts = aborts})
+"""
+
+# Find the live replica that has `request_id` in flight and queue an abort for it.
+#   ARGV: prefix, request id
+ABORT = NOW + """
+local p, id = ARGV[1], ARGV[2]
+for _, replica in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', now, '+inf')) do
+  if redis.call('HEXISTS', p .. 'requests:' .. replica, id) == 1 then
+    redis.call('RPUSH', p .. 'aborts:' .. replica, id)
+    redis.call('EXPIRE', p .. 'aborts:' .. replica, 60)
+    redis.call('PUBLISH', p .. 'news', replica)
+    return replica
+  end
+end
+return false
+"""

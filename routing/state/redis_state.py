@@ -1,0 +1,177 @@
+"""The fleet's state in Redis (a single server, or a Sentinel-managed primary), shared by every replica.
+
+Every call has a short timeout and no retries of its own: a slow or absent Redis must never hold a request;
+`routing.state.resilient` decides what a failure means."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import orjson
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from routing.state import redis_scripts as lua
+from routing.state.base import Budget, FleetReport, FleetView, TenantDecision
+
+log = logging.getLogger("kvgate.state")
+
+PREFIX = "kvgate:"
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    """Where the primary is: a URL, or Sentinels that know it by service name."""
+
+    url: str | None = None
+    sentinels: tuple[tuple[str, int], ...] = ()
+    service: str | None = None
+    timeout_s: float = 0.25
+
+
+def connect(target: RedisTarget) -> Redis:
+    options = dict(socket_timeout=target.timeout_s, socket_connect_timeout=target.timeout_s,
+                   retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    if target.sentinels:
+        assert target.service is not None
+        sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=dict(options), **options)
+        return sentinel.master_for(target.service, **options)
+    assert target.url is not None
+    return Redis.from_url(target.url, **options)
+
+
+@dataclass(slots=True)
+class _RegistryDelta:
+    """Requests started and finished since the last sync (sent in batches: no Redis call per request)."""
+
+    started: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+
+class RedisState:
+    shared = True
+
+    def __init__(self, target: RedisTarget, *, lease_s: float = 30.0, replica: str | None = None) -> None:
+        self.replica = replica or uuid.uuid4().hex[:12]
+        self.target = target
+        self.lease_s = lease_s
+        self._redis = connect(target)
+        self._admit = self._redis.register_script(lua.ADMIT)
+        self._charge = self._redis.register_script(lua.CHARGE)
+        self._release = self._redis.register_script(lua.RELEASE)
+        self._sync = self._redis.register_script(lua.SYNC)
+        self._abort = self._redis.register_script(lua.ABORT)
+        self._delta = _RegistryDelta()
+        self._news = asyncio.Event()
+        self._listener: asyncio.Task[None] | None = None
+
+    async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
+                           ) -> TenantDecision:
+        args: list[str | int] = [self.replica, -1 if max_concurrent is None else max_concurrent, len(budgets)]
+        for budget in budgets:
+            args += [budget.kind, budget.per_min, budget.cost]
+        admitted, wait, why = await self._admit(
+            keys=[f"{PREFIX}bucket:{tenant}", f"{PREFIX}conc:{tenant}", f"{PREFIX}replicas"], args=args)
+        return TenantDecision(bool(admitted), float(wait), why.decode() if isinstance(why, bytes) else why)
+
+    async def release_tenant(self, tenant: str) -> None:
+        await self._release(keys=[f"{PREFIX}conc:{tenant}"], args=[self.replica])
+
+    async def charge(self, tenant: str, budget: Budget) -> None:
+        await self._charge(keys=[f"{PREFIX}bucket:{tenant}"], args=[budget.kind, budget.per_min, budget.cost])
+
+    async def sync(self, report: FleetReport) -> FleetView:
+        self._ensure_listener()
+        delta, self._delta = self._delta, _RegistryDelta()
+        payload = orjson.dumps({"loads": report.loads, "limits": report.limits, "concurrency": report.concurrency,
+                                "started": delta.started, "finished": delta.finished})
+        try:
+            raw = await self._sync(args=[PREFIX, self.replica, self.lease_s, payload])
+        except BaseException:
+            # Not applied: sent again with the next sync.
+            self._delta.started[:0] = delta.started
+            self._delta.finished[:0] = delta.finished
+            raise
+        view = orjson.loads(raw)
+        return FleetView(loads_elsewhere=_mapping(view["loads"]), limits=_mapping(view["limits"]),
+                         disabled=_mapping(view["disabled"]), aborts=tuple(view["aborts"] or ()))
+
+    async def set_disabled(self, model: str, disabled: bool, *, cancel_inflight: bool = False) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            if disabled:
+                pipe.hset(f"{PREFIX}disabled", model, "1" if cancel_inflight else "0")
+            else:
+                pipe.hdel(f"{PREFIX}disabled", model)
+            pipe.publish(f"{PREFIX}news", "switch")
+            await pipe.execute()
+
+    async def register_request(self, request_id: str) -> None:
+        self._delta.started.append(request_id)
+
+    async def unregister_request(self, request_id: str) -> None:
+        self._delta.finished.append(request_id)
+
+    async def request_abort(self, request_id: str) -> str | None:
+        owner = await self._abort(args=[PREFIX, request_id])
+        return owner.decode() if isinstance(owner, bytes) else None
+
+    async def api_key_tenant(self, key_hash: str) -> str | None:
+        tenant = await self._redis.hget(f"{PREFIX}api_keys", key_hash)
+        return tenant.decode() if isinstance(tenant, bytes) else None
+
+    async def shared_secret(self, name: str) -> bytes:
+        key = f"{PREFIX}secret:{name}"
+        await self._redis.set(key, secrets.token_hex(32), nx=True)
+        value = await self._redis.get(key)
+        assert value is not None
+        return bytes.fromhex(value.decode())
+
+    async def wait_for_news(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._news.wait(), timeout_s)
+        self._news.clear()
+
+    def _ensure_listener(self) -> None:
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.get_running_loop().create_task(self._listen())
+
+    async def _listen(self) -> None:
+        """Wake the sync loop as soon as a kill switch flips or an abort is queued (the periodic sync would see it
+        anyway: pub/sub only makes it faster, and a lost message costs one sync interval)."""
+        while True:
+            pubsub: PubSub | None = None
+            try:
+                pubsub = self._redis.pubsub()
+                await pubsub.subscribe(f"{PREFIX}news")
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None:
+                        self._news.set()
+            except (RedisError, OSError):
+                await asyncio.sleep(1.0)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(BaseException):
+                await self._listener
+        await self._redis.aclose()
+
+
+def _mapping(value: object) -> dict:  # type: ignore[type-arg]
+    """cjson encodes an empty Lua table as {} (never []): both mean nothing here."""
+    return value if isinstance(value, dict) else {}

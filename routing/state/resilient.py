@@ -1,0 +1,132 @@
+"""What a Redis outage means: `open` carries on with this replica's own state (local limits, local load, the kill
+switches last seen), `closed` refuses (the caller answers 503). Either way no call waits longer than the Redis
+timeout, an outage is logged once and metered, and the shared state is used again as soon as Redis answers."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Literal, TypeVar
+
+from redis.exceptions import RedisError
+
+from routing.state.base import Budget, FleetReport, FleetView, StateUnavailable, TenantDecision
+from routing.state.memory import MemoryState
+from routing.state.redis_state import RedisState
+
+log = logging.getLogger("kvgate.state")
+
+T = TypeVar("T")
+OnDown = Literal["open", "closed"]
+_FAILURES = (RedisError, OSError, TimeoutError)
+
+
+class ResilientState:
+    shared = True
+
+    def __init__(self, primary: RedisState, *, on_down: OnDown, retry_s: float = 1.0,
+                 on_health: Callable[[bool], None] = lambda up: None,
+                 on_error: Callable[[str], None] = lambda operation: None) -> None:
+        self.primary = primary
+        self.fallback = MemoryState(replica=primary.replica)
+        self.replica = primary.replica
+        self.on_down = on_down
+        self._retry_s = retry_s
+        self._down_since: float | None = None
+        self._next_try = 0.0
+        self._on_health = on_health
+        self._on_error = on_error
+        self._last_view: FleetView | None = None
+
+    @property
+    def up(self) -> bool:
+        return self._down_since is None
+
+    async def _call(self, operation: str, primary: Callable[[], Awaitable[T]],
+                    fallback: Callable[[], Awaitable[T]]) -> T:
+        if self._down_since is not None and time.monotonic() < self._next_try:
+            return await self._without_redis(fallback)
+        try:
+            result = await primary()
+        except _FAILURES as exc:
+            self._on_error(operation)
+            self._mark_down(exc)
+            return await self._without_redis(fallback)
+        self._mark_up()
+        return result
+
+    async def _without_redis(self, fallback: Callable[[], Awaitable[T]]) -> T:
+        if self.on_down == "closed":
+            raise StateUnavailable("the shared state (Redis) is unreachable and state.on_redis_down is closed")
+        return await fallback()
+
+    def _mark_down(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        self._next_try = now + self._retry_s
+        if self._down_since is None:
+            self._down_since = now
+            log.error("shared state (Redis) unreachable: %s — failing %s until it answers", exc or type(exc).__name__,
+                      "open (this replica's own limits and load)" if self.on_down == "open" else "closed (503)")
+            self._on_health(False)
+
+    def _mark_up(self) -> None:
+        if self._down_since is not None:
+            log.warning("shared state (Redis) answers again after %.1fs", time.monotonic() - self._down_since)
+            self._down_since = None
+            self._on_health(True)
+
+    async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
+                           ) -> TenantDecision:
+        return await self._call("admit", lambda: self.primary.admit_tenant(tenant, budgets, max_concurrent),
+                                lambda: self.fallback.admit_tenant(tenant, budgets, max_concurrent))
+
+    async def release_tenant(self, tenant: str) -> None:
+        await self._call("release", lambda: self.primary.release_tenant(tenant),
+                         lambda: self.fallback.release_tenant(tenant))
+
+    async def charge(self, tenant: str, budget: Budget) -> None:
+        await self._call("charge", lambda: self.primary.charge(tenant, budget),
+                         lambda: self.fallback.charge(tenant, budget))
+
+    async def sync(self, report: FleetReport) -> FleetView:
+        async def remembered() -> FleetView:
+            view = await self.primary.sync(report)
+            self._last_view = view
+            return view
+
+        async def local() -> FleetView:
+            # Open: no other replica's load (it would go stale), but the kill switches last seen still hold.
+            view = await self.fallback.sync(report)
+            last = self._last_view
+            return view if last is None else FleetView(view.loads_elsewhere, view.limits,
+                                                       {**last.disabled, **view.disabled}, view.aborts)
+
+        # The sync is the probe that finds Redis back: it always tries, whatever the backoff says.
+        self._next_try = 0.0
+        return await self._call("sync", remembered, local)
+
+    async def set_disabled(self, model: str, disabled: bool, *, cancel_inflight: bool = False) -> None:
+        await self.primary.set_disabled(model, disabled, cancel_inflight=cancel_inflight)  # an operator sees errors
+
+    async def register_request(self, request_id: str) -> None:
+        await self.primary.register_request(request_id)  # batched into the next sync: never fails here
+
+    async def unregister_request(self, request_id: str) -> None:
+        await self.primary.unregister_request(request_id)
+
+    async def request_abort(self, request_id: str) -> str | None:
+        return await self.primary.request_abort(request_id)  # an operator sees errors
+
+    async def api_key_tenant(self, key_hash: str) -> str | None:
+        return await self._call("api_key", lambda: self.primary.api_key_tenant(key_hash),
+                                lambda: self.fallback.api_key_tenant(key_hash))
+
+    async def shared_secret(self, name: str) -> bytes:
+        return await self.primary.shared_secret(name)
+
+    async def wait_for_news(self, timeout_s: float) -> None:
+        await self.primary.wait_for_news(timeout_s)
+
+    async def close(self) -> None:
+        await self.primary.close()
