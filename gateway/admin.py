@@ -7,6 +7,7 @@ by restarting nothing but the secret's mount); without one the API answers 403. 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 from typing import TYPE_CHECKING, Any
@@ -140,8 +141,12 @@ class AdminApi:
         local = self.gateway.abort_local(request_id)
         if local:
             return _answer(200, {"request_id": request_id, "aborted": local, "replica": self.gateway.fleet.replica})
+        fleet = self.gateway.fleet
         try:
-            owner = await self.gateway.fleet.state.request_abort(request_id)
+            owner = await fleet.state.request_abort(request_id)
+            if owner is None:  # a request that has just started is registered on its replica's next sync
+                await asyncio.sleep(min(1.0, 2 * fleet.config.sync_interval_s))
+                owner = await fleet.state.request_abort(request_id)
         except _STATE_FAILURES as exc:
             return _error(503, f"the shared state could not be asked: {exc}", "state_unavailable")
         if owner is None:

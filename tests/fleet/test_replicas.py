@@ -107,7 +107,7 @@ def _ready(url: str) -> bool:
 
 def _chat(text: str, max_tokens: int = 1, stream: bool = False) -> dict[str, object]:
     return {"model": "glm-5", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "stream": stream}
+            "stream": stream, "ignore_eos": True}
 
 
 def test_requests_need_a_known_api_key(replicas: list[Replica]) -> None:
