@@ -15,6 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser = commands.add_parser("serve", help="run the gateway")
     serve_parser.add_argument("--config", required=True, help="YAML configuration file")
     serve_parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve_parser.add_argument("--workers", type=int, default=1, help="gateway processes on one port (default 1); "
+                              "with state.backend redis they act as one")
     preflight = commands.add_parser("preflight", help="check every engine's KV pool against the config, then exit")
     preflight.add_argument("--config", required=True)
     preflight.add_argument("--json", action="store_true", help="machine-readable output")
@@ -30,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
             from gateway.server import serve
             config = load_config(args.config)
             configure_logging(level, config.logging)
-            return serve(config, log_level=args.log_level, config_path=args.config)
+            if args.workers < 1:
+                parser.error("--workers must be at least 1")
+            return serve(config, log_level=args.log_level, config_path=args.config, workers=args.workers)
         if args.command == "canary":
             from gateway.canary import run_canary
             return run_canary(load_config(args.config))

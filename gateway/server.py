@@ -8,9 +8,12 @@ connection that opens and never finishes its request head (else a few idle socke
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import socket
 import sys
+import time
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -195,17 +198,88 @@ class GracefulServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(config: GatewayConfig, *, log_level: str, config_path: str | None = None) -> int:
+def serve(config: GatewayConfig, *, log_level: str, config_path: str | None = None, workers: int = 1) -> int:
     """Run the gateway until it is stopped; 3 when it could not start (e.g. a model refused by the KV-pool gate,
-    printed as one block per model)."""
+    printed as one block per model). `workers` > 1: that many processes on one port (see `serve_processes`)."""
+    if workers > 1:
+        return serve_processes(config, log_level=log_level, config_path=config_path, workers=workers)
+    return _serve_one(config, log_level=log_level, config_path=config_path)
+
+
+def _serve_one(config: GatewayConfig, *, log_level: str, config_path: str | None,
+               sock: socket.socket | None = None) -> int:
     from gateway.app import create_app
 
     app = create_app(config, config_path=config_path)
     server = GracefulServer(uvicorn_config(app, config, log_level=log_level), app.gateway)
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     except SystemExit:  # uvicorn's way of reporting a failed startup
         pass
     if app.gateway.refusal is not None:
         print(f"kvgate: not serving.\n{app.gateway.refusal}", file=sys.stderr, flush=True)
     return 0 if server.started else 3
+
+
+def serve_processes(config: GatewayConfig, *, log_level: str, config_path: str | None, workers: int) -> int:
+    """`workers` gateway processes on one port, so one machine's cores are all used: this process binds the listening
+    socket and forks the workers, which all accept on it (the kernel spreads connections). SIGTERM, SIGINT and SIGHUP
+    are passed on to every worker; a worker that dies unbidden is started again. With `state.backend: redis` the
+    workers act as one gateway; with `memory` each keeps its own limits, load and kill switches."""
+    sock = _listening_socket(config.listen.host, config.listen.port)
+    children: dict[int, int] = {}  # pid → worker index
+    stopping = False
+
+    def start(index: int) -> None:
+        pid = os.fork()
+        if pid == 0:  # the worker: default signal handling, its own event loop
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_DFL)
+            code = 1
+            try:
+                code = _serve_one(config, log_level=log_level, config_path=config_path, sock=sock)
+            finally:
+                os._exit(code)
+        children[pid] = index
+
+    def forward(sig: int, _: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = stopping or sig != signal.SIGHUP
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    for index in range(workers):
+        start(index)
+    worst = 0
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        index = children.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        worst = max(worst, abs(code))
+        if index is not None and not stopping and code not in (0, 3):
+            print(f"kvgate: worker {index} (pid {pid}) exited with {code}; starting it again", file=sys.stderr,
+                  flush=True)
+            time.sleep(1.0)
+            start(index)
+        elif code == 3 and not stopping:  # refused to start (e.g. the KV-pool gate): the others would too
+            forward(signal.SIGTERM, None)
+    sock.close()
+    return worst
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

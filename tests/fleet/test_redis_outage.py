@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtests.engine.harness import EnginePair, start_pair
+from loadtests.engine.harness import start_pair
 from tests.engine_records import wait_for
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
 from tests.redis_harness import RedisServer, redis_server
