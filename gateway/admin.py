@@ -138,20 +138,21 @@ class AdminApi:
     async def abort_request(self, request: Request) -> Response:
         """Cancel a request in flight by the x-request-id the gateway returned, on whichever replica owns it."""
         request_id = request.path_params["id"]
-        local = self.gateway.abort_local(request_id)
-        if local:
-            return _answer(200, {"request_id": request_id, "aborted": local, "replica": self.gateway.fleet.replica})
         fleet = self.gateway.fleet
-        try:
-            owner = await fleet.state.request_abort(request_id)
-            if owner is None:  # a request that has just started is registered on its replica's next sync
+        local = self.gateway.abort_local(request_id)
+        try:  # every holder of the id, here and elsewhere (a client may reuse ids)
+            owners = [r for r in await fleet.state.request_abort(request_id) if r != fleet.replica]
+            if not owners and not local:  # a request just started is registered on its replica's next sync
                 await asyncio.sleep(min(1.0, 2 * fleet.config.sync_interval_s))
-                owner = await fleet.state.request_abort(request_id)
+                owners = [r for r in await fleet.state.request_abort(request_id) if r != fleet.replica]
         except _STATE_FAILURES as exc:
+            if local:
+                return _answer(200, {"request_id": request_id, "aborted_here": local, "replicas": []})
             return _error(503, f"the shared state could not be asked: {exc}", "state_unavailable")
-        if owner is None:
+        if not local and not owners:
             return _error(404, f"no request {request_id!r} in flight on any live replica", "request_not_found")
-        return _answer(202, {"request_id": request_id, "replica": owner})
+        return _answer(200 if not owners else 202, {"request_id": request_id, "aborted_here": local,
+                                                    "replicas": owners})
 
     def _member(self, request: Request) -> Member | None:
         assert self.gateway.membership is not None

@@ -21,7 +21,7 @@ from gateway.errors import GatewayError
 from gateway.lifecycle import ClientGone, Done, Failure, PDExchange
 from gateway.probe import is_probe
 from gateway.telemetry.record import RequestRecord
-from gateway.tenancy.limiter import RateLimited, StateDown
+from gateway.tenancy.errors import RateLimited, StateDown
 from gateway.tenancy.tenants import CANARY
 from routing.pools import NoWorkerAvailable, PoolSaturated
 
@@ -247,16 +247,24 @@ async def _relay_stream(exchange: PDExchange, send: Send) -> None:
 
 async def _relay_whole(exchange: PDExchange, send: Send) -> None:
     assembler = assembler_for(exchange.admitted.route)
+    broken: GatewayError | None = None
     while True:
         match await exchange.events.get():
             case bytes() as payload:
+                if broken is not None:
+                    continue
                 try:
                     assembler.add(payload)
                 except (ValueError, TypeError, AttributeError):  # orjson's decode error is a ValueError
-                    exchange.fail(GatewayError(502, "the decode engine sent an event that is not a valid chunk",
-                                               code="decode_failed"))
+                    broken = GatewayError(502, "the decode engine sent an event that is not a valid chunk",
+                                          code="decode_failed")
+                    exchange.fail(broken)
             case Done():
-                await send_json(send, 200, assembler.body(), _count_header(exchange))
+                # The bad chunk may have been queued together with Done (released in one step): still an error.
+                if broken is not None:
+                    await send_error(send, broken)
+                else:
+                    await send_json(send, 200, assembler.body(), _count_header(exchange))
                 return
             case Failure(error):
                 await send_error(send, error)

@@ -454,7 +454,8 @@ class Gateway:
     def _fleet_report(self) -> FleetReport:
         loads = {w.url: w.in_flight for m in self.models.values() for w in m.pool.workers}
         limits = {name: j.effective_limit for name, j in self.judgements.items() if j.effective_limit > 0}
-        return FleetReport(loads=loads, limits=limits)
+        requests = {request_id: len(held) for request_id, held in self._by_request_id.items()}
+        return FleetReport(loads=loads, limits=limits, requests=requests)
 
     def _apply_fleet_view(self, view: FleetView) -> None:
         """Follow the fleet: other replicas' load on each worker, the lowest measured limit, kill switches, aborts."""

@@ -3,31 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import Counter
 
-from gateway.errors import GatewayError
+from gateway.tenancy.errors import RateLimited, StateDown
 from gateway.tenancy.tenants import Tenant
 from routing.state import Budget, FleetState, StateUnavailable
-
-_REASONS = {"requests": "requests per minute", "prompt_tokens": "prompt tokens per minute",
-            "output_tokens": "output tokens per minute", "max_concurrent": "concurrent requests"}
-
-
-class RateLimited(GatewayError):
-    def __init__(self, tenant: Tenant, reason: str, retry_after_s: float) -> None:
-        super().__init__(429, f"rate limit reached for tenant {tenant.name!r}: {_REASONS.get(reason, reason)}; "
-                         f"retry after {math.ceil(retry_after_s)}s", type="rate_limit_error",
-                         code="rate_limit_exceeded")
-        self.retry_after_s = max(1, math.ceil(retry_after_s))
-
-
-class StateDown(GatewayError):
-    def __init__(self) -> None:
-        super().__init__(503, "the gateway's shared state is unreachable (state.on_redis_down: closed)",
-                         code="state_unavailable")
-        self.retry_after_s = 1
-
 
 class TenantPass:
     """An admitted request's hold on its tenant: the concurrency slot (given back once) and its output charge."""
@@ -67,7 +47,7 @@ class TenantLimiter:
         except StateUnavailable:
             raise StateDown() from None
         if not decision.admitted:
-            raise RateLimited(tenant, decision.reason, decision.retry_after_s)
+            raise RateLimited(tenant.name, decision.reason, decision.retry_after_s)
         if limits.max_concurrent is not None:
             self.in_flight[tenant.name] += 1
         return TenantPass(self, tenant)
@@ -76,17 +56,17 @@ class TenantLimiter:
         limits = tenant.limits
         if limits.max_concurrent is not None:
             self.in_flight[tenant.name] -= 1
+            if self.in_flight[tenant.name] <= 0:
+                del self.in_flight[tenant.name]
             self._spawn(self._state.release_tenant(tenant.name))
         if limits.output_tokens_per_min and output_tokens > 0:
             self._spawn(self._state.charge(tenant.name, Budget("output_tokens", limits.output_tokens_per_min,
                                                                output_tokens)))
 
     def concurrency_report(self) -> dict[str, int]:
-        """This replica's count per tenant, re-asserted on every sync (zeros once, then forgotten)."""
-        report = dict(self.in_flight)
-        for name in [name for name, count in self.in_flight.items() if count <= 0]:
-            del self.in_flight[name]
-        return report
+        """This replica's count per tenant, which every sync makes the shared state's truth for this replica (a
+        release or an admit whose answer was lost is corrected there)."""
+        return dict(self.in_flight)
 
     def _spawn(self, coroutine: object) -> None:
         task = asyncio.get_running_loop().create_task(_quietly(coroutine))

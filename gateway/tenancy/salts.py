@@ -14,5 +14,6 @@ class CacheSalts:
         self._secret = secret
 
     def salt(self, cache_group: str, client_salt: str | None = None) -> str:
-        message = cache_group.encode() + b"\0" + (client_salt or "").encode()
+        group, salt = cache_group.encode(), (client_salt or "").encode()
+        message = len(group).to_bytes(4, "big") + group + salt  # length-prefixed: no two inputs read alike
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:32]

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from gateway.config import AuthConfig, TenantConfig, TenantLimitsConfig
-from gateway.errors import GatewayError
+from gateway.tenancy.errors import StateDown, Unauthorized
 from routing.state import FleetState, StateUnavailable
 
 _NO_LIMITS = TenantLimitsConfig()
@@ -32,11 +32,6 @@ class Tenant:
 
 # The gateway's own canary traffic (its secret header checked by gateway.probe): no key, no limits, its own salt.
 CANARY = Tenant("kvgate:canary")
-
-
-class Unauthorized(GatewayError):
-    def __init__(self, message: str) -> None:
-        super().__init__(401, message, type="invalid_request_error", code="invalid_api_key")
 
 
 class TenantDirectory:
@@ -70,7 +65,11 @@ class TenantDirectory:
         try:
             name = await self._state.api_key_tenant(digest)
         except StateUnavailable:
-            name = None  # closed: keys only the shared state knows are refused, as every request would be
+            # Not known: never cached as "no such key". A key seen before keeps its tenant through the outage;
+            # an unseen one cannot be judged (neither 401 nor served without its tenant's limits).
+            if cached is not None:
+                return cached[1]
+            raise StateDown() from None
         tenant = None if name is None else self._by_name.get(name) or Tenant(name)
         if len(self._looked_up) > 100_000:  # many distinct wrong keys: start over rather than grow
             self._looked_up.clear()

@@ -39,7 +39,8 @@ class FleetReport:
 
     loads: dict[str, int] = field(default_factory=dict)  # worker URL → requests this replica has in flight there
     limits: dict[str, int] = field(default_factory=dict)  # model → prompt-token limit this replica's gate measured
-    concurrency: dict[str, int] = field(default_factory=dict)  # tenant → its requests in flight here (0: none now)
+    concurrency: dict[str, int] = field(default_factory=dict)  # tenant → its requests in flight here
+    requests: dict[str, int] = field(default_factory=dict)  # request id → its exchanges in flight here
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +79,8 @@ class FleetState(Protocol):
 
     async def unregister_request(self, request_id: str) -> None: ...
 
-    async def request_abort(self, request_id: str) -> str | None:
-        """Ask the replica that owns `request_id` to abort it; the owner's id, or None when no live replica has it."""
+    async def request_abort(self, request_id: str) -> list[str]:
+        """Ask every live replica that has `request_id` in flight to abort it; their ids (none: nobody has it)."""
         ...
 
     async def api_key_tenant(self, key_hash: str) -> str | None:

@@ -98,12 +98,12 @@ class MemoryState:
         if self._requests[request_id] <= 0:
             del self._requests[request_id]
 
-    async def request_abort(self, request_id: str) -> str | None:
+    async def request_abort(self, request_id: str) -> list[str]:
         if request_id not in self._requests:
-            return None
+            return []
         self._aborts.append(request_id)
         self._news.set()
-        return self.replica
+        return [self.replica]
 
     async def api_key_tenant(self, key_hash: str) -> str | None:
         return None

@@ -8,8 +8,8 @@ local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 
 # Concurrency is a hash per tenant, one field per replica: a replica that died stops counting as soon as its lease
 # in kvgate:replicas lapses (its field is dropped then), so a crash never leaves phantom load.
-#   KEYS: bucket hash, concurrency hash, replicas zset
-#   ARGV: replica, max_concurrent (-1: none), n budgets, then n × (kind, per_min, cost)
+#   KEYS: bucket hash, concurrency hash, replicas zset, this replica's set of tenants holding slots
+#   ARGV: replica, max_concurrent (-1: none), n budgets, then n × (kind, per_min, cost), then the tenant
 ADMIT = NOW + """
 local me = ARGV[1]
 local max_concurrent = tonumber(ARGV[2])
@@ -52,6 +52,8 @@ if n > 0 then redis.call('EXPIRE', KEYS[1], 3600) end
 if max_concurrent >= 0 then
   redis.call('HINCRBY', KEYS[2], me, 1)
   redis.call('EXPIRE', KEYS[2], 3600)
+  redis.call('SADD', KEYS[4], ARGV[4 + 3 * n])
+  redis.call('EXPIRE', KEYS[4], 3600)
 end
 return {1, '0', ''}
 """
@@ -90,18 +92,31 @@ local load_key = p .. 'load:' .. me
 redis.call('DEL', load_key)
 for url, count in pairs(report.loads) do redis.call('HSET', load_key, url, count) end
 redis.call('PEXPIRE', load_key, lease_ms)
-for tenant, count in pairs(report.concurrency) do
-  if count > 0 then
-    redis.call('HSET', p .. 'conc:' .. tenant, me, count)
-    redis.call('EXPIRE', p .. 'conc:' .. tenant, 3600)
-  else
+-- This replica's slot counts are what it reports, nothing else: a release or an admit whose answer was lost
+-- is corrected here (tenants it no longer reports lose its field).
+local held_key = p .. 'conc_tenants:' .. me
+for _, tenant in ipairs(redis.call('SMEMBERS', held_key)) do
+  if not report.concurrency[tenant] then
     redis.call('HDEL', p .. 'conc:' .. tenant, me)
+    redis.call('SREM', held_key, tenant)
   end
 end
+for tenant, count in pairs(report.concurrency) do
+  redis.call('HSET', p .. 'conc:' .. tenant, me, count)
+  redis.call('EXPIRE', p .. 'conc:' .. tenant, 3600)
+  redis.call('SADD', held_key, tenant)
+end
+redis.call('EXPIRE', held_key, 3600)
 local requests_key = p .. 'requests:' .. me
-for _, id in ipairs(report.started) do redis.call('HINCRBY', requests_key, id, 1) end
-for _, id in ipairs(report.finished) do
-  if redis.call('HINCRBY', requests_key, id, -1) <= 0 then redis.call('HDEL', requests_key, id) end
+if report.snapshot then
+  -- After a failed sync the changes since were dropped: the registry is replaced by what is in flight now.
+  redis.call('DEL', requests_key)
+  for id, count in pairs(report.snapshot) do redis.call('HSET', requests_key, id, count) end
+else
+  for _, id in ipairs(report.started) do redis.call('HINCRBY', requests_key, id, 1) end
+  for _, id in ipairs(report.finished) do
+    if redis.call('HINCRBY', requests_key, id, -1) <= 0 then redis.call('HDEL', requests_key, id) end
+  end
 end
 redis.call('PEXPIRE', requests_key, lease_ms)
 local live = redis.call('ZRANGEBYSCORE', p .. 'replicas', now, '+inf')
@@ -138,17 +153,19 @@ redis.call('DEL', aborts_key)
 return cjson.encode({loads = loads, limits = limits, disabled = disabled, aborts = aborts})
 """
 
-# Find the live replica that has `request_id` in flight and queue an abort for it.
+# Queue an abort for `request_id` on every live replica that has it in flight (a client may reuse an id: all
+# holders are cancelled, never just a decoy).
 #   ARGV: prefix, request id
 ABORT = NOW + """
 local p, id = ARGV[1], ARGV[2]
+local owners = {}
 for _, replica in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', now, '+inf')) do
   if redis.call('HEXISTS', p .. 'requests:' .. replica, id) == 1 then
     redis.call('RPUSH', p .. 'aborts:' .. replica, id)
     redis.call('EXPIRE', p .. 'aborts:' .. replica, 60)
     redis.call('PUBLISH', p .. 'news', replica)
-    return replica
+    owners[#owners + 1] = replica
   end
 end
-return false
+return owners
 """

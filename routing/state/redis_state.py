@@ -72,6 +72,7 @@ class RedisState:
         self._sync = self._redis.register_script(lua.SYNC)
         self._abort = self._redis.register_script(lua.ABORT)
         self._delta = _RegistryDelta()
+        self._resnapshot = False
         self._news = asyncio.Event()
         self._listener: asyncio.Task[None] | None = None
 
@@ -80,8 +81,10 @@ class RedisState:
         args: list[str | int] = [self.replica, -1 if max_concurrent is None else max_concurrent, len(budgets)]
         for budget in budgets:
             args += [budget.kind, budget.per_min, budget.cost]
+        args.append(tenant)
         admitted, wait, why = await self._admit(
-            keys=[f"{PREFIX}bucket:{tenant}", f"{PREFIX}conc:{tenant}", f"{PREFIX}replicas"], args=args)
+            keys=[f"{PREFIX}bucket:{tenant}", f"{PREFIX}conc:{tenant}", f"{PREFIX}replicas",
+                  f"{PREFIX}conc_tenants:{self.replica}"], args=args)
         return TenantDecision(bool(admitted), float(wait), why.decode() if isinstance(why, bytes) else why)
 
     async def release_tenant(self, tenant: str) -> None:
@@ -93,15 +96,18 @@ class RedisState:
     async def sync(self, report: FleetReport) -> FleetView:
         self._ensure_listener()
         delta, self._delta = self._delta, _RegistryDelta()
-        payload = orjson.dumps({"loads": report.loads, "limits": report.limits, "concurrency": report.concurrency,
-                                "started": delta.started, "finished": delta.finished})
+        document = {"loads": report.loads, "limits": report.limits, "concurrency": report.concurrency,
+                    "started": delta.started, "finished": delta.finished}
+        if self._resnapshot:
+            document["snapshot"] = report.requests
         try:
-            raw = await self._sync(args=[PREFIX, self.replica, self.lease_s, payload])
+            raw = await self._sync(args=[PREFIX, self.replica, self.lease_s, orjson.dumps(document)])
         except BaseException:
-            # Not applied: sent again with the next sync.
-            self._delta.started[:0] = delta.started
-            self._delta.finished[:0] = delta.finished
+            # Maybe applied, maybe not: the changes are dropped (never piled up) and the next sync replaces the
+            # registry with what is in flight then.
+            self._resnapshot = True
             raise
+        self._resnapshot = False
         view = orjson.loads(raw)
         return FleetView(loads_elsewhere=_mapping(view["loads"]), limits=_mapping(view["limits"]),
                          disabled=_mapping(view["disabled"]), aborts=tuple(view["aborts"] or ()))
@@ -121,9 +127,9 @@ class RedisState:
     async def unregister_request(self, request_id: str) -> None:
         self._delta.finished.append(request_id)
 
-    async def request_abort(self, request_id: str) -> str | None:
-        owner = await self._abort(args=[PREFIX, request_id])
-        return owner.decode() if isinstance(owner, bytes) else None
+    async def request_abort(self, request_id: str) -> list[str]:
+        owners = await self._abort(args=[PREFIX, request_id])
+        return [owner.decode() for owner in owners or ()]
 
     async def api_key_tenant(self, key_hash: str) -> str | None:
         tenant = await self._redis.hget(f"{PREFIX}api_keys", key_hash)

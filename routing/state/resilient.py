@@ -82,8 +82,9 @@ class ResilientState:
                                 lambda: self.fallback.admit_tenant(tenant, budgets, max_concurrent))
 
     async def release_tenant(self, tenant: str) -> None:
-        await self._call("release", lambda: self.primary.release_tenant(tenant),
-                         lambda: self.fallback.release_tenant(tenant))
+        # A slot may have been taken from the fallback during an outage: given back there too (floored at zero).
+        await self.fallback.release_tenant(tenant)
+        await self._call("release", lambda: self.primary.release_tenant(tenant), _nothing)
 
     async def charge(self, tenant: str, budget: Budget) -> None:
         await self._call("charge", lambda: self.primary.charge(tenant, budget),
@@ -115,12 +116,15 @@ class ResilientState:
     async def unregister_request(self, request_id: str) -> None:
         await self.primary.unregister_request(request_id)
 
-    async def request_abort(self, request_id: str) -> str | None:
+    async def request_abort(self, request_id: str) -> list[str]:
         return await self.primary.request_abort(request_id)  # an operator sees errors
 
     async def api_key_tenant(self, key_hash: str) -> str | None:
-        return await self._call("api_key", lambda: self.primary.api_key_tenant(key_hash),
-                                lambda: self.fallback.api_key_tenant(key_hash))
+        async def unknown() -> str | None:
+            raise StateUnavailable("the shared state (Redis) is unreachable")
+
+        # Open or closed, a key only Redis knows cannot be judged without it (the caller decides).
+        return await self._call("api_key", lambda: self.primary.api_key_tenant(key_hash), unknown)
 
     async def shared_secret(self, name: str) -> bytes:
         return await self.primary.shared_secret(name)
@@ -130,3 +134,7 @@ class ResilientState:
 
     async def close(self) -> None:
         await self.primary.close()
+
+
+async def _nothing() -> None:
+    return None

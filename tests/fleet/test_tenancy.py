@@ -112,7 +112,7 @@ def test_a_tenants_request_limit_answers_429_with_retry_after(gateway: RunningGa
 def test_the_salt_is_the_keyed_hash_of_the_tenants_group(gateway: RunningGateway, pair: EnginePair) -> None:
     """From the operator's secret, so every replica salts a tenant alike (and nobody without it can)."""
     assert _send(gateway, "carol", "hello", "keyed-0").status_code == 200
-    expected = hmac.new(SECRET.encode(), b"team\0", hashlib.sha256).hexdigest()[:32]
+    expected = hmac.new(SECRET.encode(), b"\0\0\0\x04team", hashlib.sha256).hexdigest()[:32]
     assert _engine_view(pair, "keyed-0")[0] == expected
 
 
