@@ -6,11 +6,20 @@ local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 """
 
+# A bucket's level now: what it held, refilled by per_min a minute since, capped at per_min (full when unknown).
+LEVEL = """
+local function level_now(key, kind, per_min)
+  local level, at = redis.call('HGET', key, kind .. ':l'), redis.call('HGET', key, kind .. ':t')
+  if not level then return per_min end
+  return math.min(per_min, tonumber(level) + math.max(0, now - tonumber(at)) * per_min / 60)
+end
+"""
+
 # Concurrency is a hash per tenant, one field per replica: a replica that died stops counting as soon as its lease
 # in kvgate:replicas lapses (its field is dropped then), so a crash never leaves phantom load.
 #   KEYS: bucket hash, concurrency hash, replicas zset, this replica's set of tenants holding slots
 #   ARGV: replica, max_concurrent (-1: none), n budgets, then n × (kind, per_min, cost), then the tenant
-ADMIT = NOW + """
+ADMIT = NOW + LEVEL + """
 local me = ARGV[1]
 local max_concurrent = tonumber(ARGV[2])
 if max_concurrent >= 0 then
@@ -31,12 +40,7 @@ local levels = {}
 local wait, why = 0, ''
 for i = 0, n - 1 do
   local kind, per_min = ARGV[4 + 3 * i], tonumber(ARGV[5 + 3 * i])
-  local level, at = redis.call('HGET', KEYS[1], kind .. ':l'), redis.call('HGET', KEYS[1], kind .. ':t')
-  if level then
-    level = math.min(per_min, tonumber(level) + math.max(0, now - tonumber(at)) * per_min / 60)
-  else
-    level = per_min
-  end
+  local level = level_now(KEYS[1], kind, per_min)
   levels[i] = level
   if level < 1 then
     local w = (1 - level) * 60 / per_min + 0.001
@@ -59,15 +63,10 @@ return {1, '0', ''}
 """
 
 #   KEYS: bucket hash   ARGV: kind, per_min, cost
-CHARGE = NOW + """
+CHARGE = NOW + LEVEL + """
 local kind, per_min, cost = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local level, at = redis.call('HGET', KEYS[1], kind .. ':l'), redis.call('HGET', KEYS[1], kind .. ':t')
-if level then
-  level = math.min(per_min, tonumber(level) + math.max(0, now - tonumber(at)) * per_min / 60)
-else
-  level = per_min
-end
-redis.call('HSET', KEYS[1], kind .. ':l', tostring(level - cost), kind .. ':t', tostring(now))
+redis.call('HSET', KEYS[1], kind .. ':l', tostring(level_now(KEYS[1], kind, per_min) - cost), kind .. ':t',
+           tostring(now))
 redis.call('EXPIRE', KEYS[1], 3600)
 return 1
 """

@@ -167,15 +167,15 @@ class RedisState:
                 await asyncio.sleep(1.0)
             finally:
                 if pubsub is not None:
-                    with contextlib.suppress(Exception):
-                        await pubsub.aclose()
+                    with contextlib.suppress(Exception):  # bounded: a half-open subscription must not hold a stop
+                        await asyncio.wait_for(pubsub.aclose(), 1.0)
 
     async def close(self) -> None:
         if self._listener is not None:
             self._listener.cancel()
-            with contextlib.suppress(BaseException):
-                await self._listener
-        await self._redis.aclose()
+            await asyncio.wait([self._listener], timeout=2.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._redis.aclose(), 2.0)
 
 
 def _mapping(value: object) -> dict:  # type: ignore[type-arg]

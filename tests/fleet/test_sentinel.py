@@ -39,6 +39,15 @@ def _answers(client: redis_py.Redis) -> bool:
         return False
 
 
+def _replica_known(sentinel_port: int, replica_port: int) -> bool:
+    try:
+        known = redis_py.Redis(port=sentinel_port, socket_timeout=1).sentinel_slaves(SERVICE)
+        link = redis_py.Redis(port=replica_port, socket_timeout=1).info("replication").get("master_link_status")
+    except redis_py.RedisError:
+        return False
+    return link == "up" and any(int(r["port"]) == replica_port and "disconnected" not in r["flags"] for r in known)
+
+
 def _primary_port(sentinel_port: int) -> int | None:
     try:
         host_port = redis_py.Redis(port=sentinel_port, socket_timeout=1).sentinel_get_master_addr_by_name(SERVICE)
@@ -59,6 +68,8 @@ def test_a_sentinel_failover_is_survived_and_state_follows_the_new_primary(tmp_p
     sentinel, sentinel_port = _sentinel(tmp_path, primary.port)
     try:
         assert wait_for(lambda: _answers(redis_py.Redis(port=replica.port, socket_timeout=1)), timeout_s=10)
+        # Sentinel learns of replicas from the primary's INFO (every 10 s): a failover needs one it knows, in sync.
+        assert wait_for(lambda: _replica_known(sentinel_port, replica.port), timeout_s=20), "replica not seen"
         with start_pair(prefill_pool=50000, decode_pool=50000, context_length=8192, model="glm-5",
                         version="0.5.23") as pair:
             config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode])],
