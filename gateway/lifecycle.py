@@ -73,6 +73,8 @@ _RELAY_HIGH_WATER = 1 << 20
 _RELAY_LOW_WATER = 1 << 18
 # An engine's own prompt count inside an event (a key: inside a JSON string every quote is escaped).
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(-?\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+_OUTPUT_STEP = 64  # output tokens between two `on_output` calls (a tenant's output budget is charged as it streams)
 # How SGLang's decode words a failure of the bootstrap or the KV transfer from its prefill.
 # Where a /generate event's prompt logprobs start (a key: inside a JSON string every quote is escaped).
 _INPUT_LOGPROBS = re.compile(rb'"input_token_logprobs":\s*\[')
@@ -222,7 +224,8 @@ class PDExchange:
                  release: Release, registry: ExchangeRegistry, rooms: RoomAllocator,
                  on_closed: Callable[[PDExchange], None] | None = None, retries: Retries | None = None,
                  engine_headers: tuple[tuple[bytes, bytes], ...] = (),
-                 plausibility: TTFTPlausibility | None = None, cache_salt: str | None = None) -> None:
+                 plausibility: TTFTPlausibility | None = None, cache_salt: str | None = None,
+                 on_output: Callable[[int], None] | None = None) -> None:
         self.engines = engines
         self._lease = lease
         self.pair = pair = lease.pair
@@ -243,6 +246,9 @@ class PDExchange:
         self.prefill_settled_at: float | None = None
         self.decode_closed_at: float | None = None
         self.output_events = 0  # decode events relayed or held (about one per output token when streaming)
+        self.output_tokens = 0  # as decode reports them (completion_tokens), cumulative
+        self._on_output = on_output  # called with output_tokens every _OUTPUT_STEP tokens
+        self._output_reported = 0
         self.aborts: list[tuple[str, bool]] = []  # (role, acknowledged) for every /abort_request sent
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.prompt_tokens = self._count_for(pair.prefill)
@@ -708,7 +714,19 @@ class PDExchange:
             self._verify_count("decode", worker, int(match[1]), expected)
             self._decode_counted = True
         self.output_events += 1
+        if self._on_output is not None:
+            self._count_output(data)
         self._emit(data)
+
+    def _count_output(self, data: bytes) -> None:
+        match = _COMPLETION_TOKENS.search(data)
+        tokens = int(match[1]) if match is not None else self.output_tokens + 1
+        if tokens > self.output_tokens:
+            self.output_tokens = tokens
+            if tokens - self._output_reported >= _OUTPUT_STEP:
+                self._output_reported = tokens
+                assert self._on_output is not None
+                self._on_output(tokens)
 
     async def _abort(self, worker: Worker) -> None:
         self.aborts.append((worker.role, await self.engines.abort(worker.url, self.rid)))

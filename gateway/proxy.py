@@ -130,9 +130,14 @@ class GenerateEndpoint:
             tenant = CANARY if record.probe else await gateway.fleet.tenants.identify(scope["headers"],
                                                                                     scope.get("client"))
         except GatewayError as error:  # before the body is read: an unknown client costs nothing more
-            await self._refuse(send, record, error, [(b"www-authenticate", b"Bearer")])
+            await self._refuse(send, record, error, _retry_after(error) or [(b"www-authenticate", b"Bearer")])
             return None
         record.tenant = tenant.name
+        try:
+            gateway.fleet.limiter.check(tenant)  # a throttled tenant's body is not even read
+        except RateLimited as error:
+            await self._refuse(send, record, error, _retry_after(error))
+            return None
         try:
             async with asyncio.timeout(gateway.config.timeouts.client_body_s):
                 await read_body(scope, receive, body, gateway.config.max_body_bytes)
@@ -155,7 +160,7 @@ class GenerateEndpoint:
             record.admission_s = time.perf_counter() - started
             tenant_pass = await gateway.fleet.limiter.admit(tenant, admitted.most_prompt_tokens)
         except (RateLimited, StateDown) as error:
-            await self._refuse(send, record, error, [(b"retry-after", str(error.retry_after_s).encode())])
+            await self._refuse(send, record, error, _retry_after(error))
             return None
         except GatewayError as error:
             await self._refuse(send, record, error)
@@ -178,6 +183,12 @@ class GenerateEndpoint:
         except BaseException:  # e.g. cancelled while queued
             tenant_pass.release()
             raise
+        if model.refusal is not None:  # disabled (or refused by the gate) while it waited in the queue
+            lease.release()
+            tenant_pass.release()
+            await self._refuse(send, record, GatewayError(503, f"model {model.name!r} is not served: "
+                                                               f"{model.refusal}", code="model_unavailable"))
+            return None
         return gateway.dispatch(model, lease, admitted, key, traceparent=record.engine_traceparent,
                                 request_id=record.request_id, tenant_pass=tenant_pass, cache_salt=salt)
 
@@ -187,6 +198,11 @@ class GenerateEndpoint:
         """Answer an error before any engine saw the request."""
         record.refused = error
         await send_error(send, error, headers)
+
+
+def _retry_after(error: GatewayError) -> list[tuple[bytes, bytes]]:
+    seconds = getattr(error, "retry_after_s", None)
+    return [(b"retry-after", str(seconds).encode())] if seconds is not None else []
 
 
 def _count_header(exchange: PDExchange) -> list[tuple[bytes, bytes]]:

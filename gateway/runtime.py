@@ -354,7 +354,9 @@ class Gateway:
                               release=model.config.release, registry=self.exchanges, rooms=self.rooms,
                               on_closed=self._exchange_closed, retries=retries,
                               engine_headers=_engine_headers(traceparent, request_id),
-                              plausibility=_plausibility(model.config), cache_salt=cache_salt)
+                              plausibility=_plausibility(model.config), cache_salt=cache_salt,
+                              on_output=tenant_pass.output_so_far if tenant_pass and tenant_pass.charges_output
+                              else None)
         if tenant_pass is not None:
             self._passes[exchange] = tenant_pass
         if request_id is not None:
@@ -440,7 +442,7 @@ class Gateway:
         observe_exchange(self.metrics, exchange)
         tenant_pass = self._passes.pop(exchange, None)
         if tenant_pass is not None:
-            tenant_pass.release(output_tokens=exchange.output_events)
+            tenant_pass.release(output_tokens=exchange.output_tokens or exchange.output_events)
         request_id = exchange.request_id
         if request_id is not None:
             same = self._by_request_id.get(request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 from gateway.tenancy.errors import RateLimited, StateDown
@@ -16,19 +17,44 @@ class TenantPass:
         self._limiter = limiter
         self.tenant = tenant
         self._released = False
+        self._charged = 0  # output tokens charged so far
+
+    @property
+    def charges_output(self) -> bool:
+        return bool(self.tenant.limits.output_tokens_per_min)
+
+    def output_so_far(self, tokens: int) -> None:
+        """Charge the output produced since the last call (while the request streams)."""
+        if tokens > self._charged:
+            self._limiter.charge_output(self.tenant, tokens - self._charged)
+            self._charged = tokens
 
     def release(self, output_tokens: int = 0) -> None:
         if self._released:
             return
         self._released = True
-        self._limiter.finished(self.tenant, output_tokens)
+        if self.charges_output:
+            self.output_so_far(output_tokens)
+        self._limiter.finished(self.tenant)
 
 
 class TenantLimiter:
     def __init__(self, state: FleetState) -> None:
         self._state = state
         self.in_flight: Counter[str] = Counter()  # tenant → its requests in flight on this replica (max_concurrent)
+        # tenant → (until when, why): a budget that refused is known empty until then, so a throttled tenant's next
+        # requests are refused before their bodies are read and counted (no refill can come sooner).
+        self._empty_until: dict[str, tuple[float, str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def check(self, tenant: Tenant) -> None:
+        """Refuse at once (429) while one of the tenant's budgets is known to be empty."""
+        held = self._empty_until.get(tenant.name)
+        if held is not None:
+            wait = held[0] - time.monotonic()
+            if wait > 0:
+                raise RateLimited(tenant.name, held[1], wait)
+            del self._empty_until[tenant.name]
 
     async def admit(self, tenant: Tenant, prompt_tokens: int) -> TenantPass:
         """Charge the request to its tenant, or raise 429 (with when to retry)."""
@@ -47,21 +73,26 @@ class TenantLimiter:
         except StateUnavailable:
             raise StateDown() from None
         if not decision.admitted:
+            if decision.reason != "max_concurrent":  # a slot may free any moment; an empty budget refills slowly
+                if len(self._empty_until) > 100_000:
+                    self._empty_until.clear()
+                self._empty_until[tenant.name] = (time.monotonic() + decision.retry_after_s, decision.reason)
             raise RateLimited(tenant.name, decision.reason, decision.retry_after_s)
         if limits.max_concurrent is not None:
             self.in_flight[tenant.name] += 1
         return TenantPass(self, tenant)
 
-    def finished(self, tenant: Tenant, output_tokens: int) -> None:
-        limits = tenant.limits
-        if limits.max_concurrent is not None:
+    def finished(self, tenant: Tenant) -> None:
+        if tenant.limits.max_concurrent is not None:
             self.in_flight[tenant.name] -= 1
             if self.in_flight[tenant.name] <= 0:
                 del self.in_flight[tenant.name]
             self._spawn(self._state.release_tenant(tenant.name))
-        if limits.output_tokens_per_min and output_tokens > 0:
-            self._spawn(self._state.charge(tenant.name, Budget("output_tokens", limits.output_tokens_per_min,
-                                                               output_tokens)))
+
+    def charge_output(self, tenant: Tenant, tokens: int) -> None:
+        per_min = tenant.limits.output_tokens_per_min
+        if per_min and tokens > 0:
+            self._spawn(self._state.charge(tenant.name, Budget("output_tokens", per_min, tokens)))
 
     def concurrency_report(self) -> dict[str, int]:
         """This replica's count per tenant, which every sync makes the shared state's truth for this replica (a

@@ -82,6 +82,8 @@ class GenerationAPI:
                 extra_first_delay = fault.delay_ms / 1000
             elif fault.action == "miscount":
                 prompt_offset = fault.offset
+            elif fault.action == "bad_chunk" and spec.stream:
+                pass  # run normally; the corrupt event goes out just before the end
             elif fault.action != "drop" or not spec.stream or fault.after_chunks <= 0:
                 await self._apply_fault(req, fmt, rec, fault, spec.stream)
                 return
@@ -186,6 +188,8 @@ class GenerationAPI:
                 batch.append(fmt.stream_token(state, -1, "", self._finish_reason(gen)))
             self._account(gen, rec.arrival)
             rec.completion_tokens = n
+            if fault is not None and fault.action == "bad_chunk":
+                batch.append(b'data: {"choices": [{"index": 0, "delta"\n\n')
             batch.extend(fmt.stream_tail(state))
             batch.append(_DONE)
             sent = await self._flush(req, batch, sent, drop_after, gen)

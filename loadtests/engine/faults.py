@@ -18,6 +18,7 @@ ACTIONS = {
     "slow_first_token": "generation",  # add `delay_ms` before the first token
     "miscount": "generation",  # run normally but report prompt_tokens off by `offset`
     "error_body": "generation",  # SGLang's OpenAI error object under `status` (in a stream: an event, HTTP 200)
+    "bad_chunk": "generation",  # a stream whose last event before the end is not JSON (a corrupt chunk)
     "health": "health",  # /health and /health_generate answer `status` (default 503)
     "refuse_bootstrap": "bootstrap",  # the prefill's bootstrap server refuses KV handshakes
 }

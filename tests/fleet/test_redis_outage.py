@@ -18,15 +18,15 @@ from tests.engine_records import wait_for
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
 from tests.redis_harness import RedisServer, redis_server
 
-KEY = "sk-outage-tenant"
+KEY, OTHER_KEY = "sk-outage-tenant", "sk-outage-other"
 REQUESTS_PER_MIN = 6
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, RunningGateway, RunningGateway]]:
     directory = tmp_path_factory.mktemp("outage")
-    tenants = [{"name": "t", "api_keys": ["sha256:" + hashlib.sha256(KEY.encode()).hexdigest()],
-                "limits": {"requests_per_min": REQUESTS_PER_MIN}}]
+    tenants = [{"name": name, "api_keys": ["sha256:" + hashlib.sha256(key.encode()).hexdigest()],
+                "limits": {"requests_per_min": REQUESTS_PER_MIN}} for name, key in (("t", KEY), ("u", OTHER_KEY))]
     previous = os.environ.get("KVGATE_ADMIN_TOKEN")
     os.environ["KVGATE_ADMIN_TOKEN"] = "outage-admin"
     try:
@@ -80,8 +80,9 @@ def test_stopping_redis_fails_open_or_closed_as_configured_and_both_recover(
         refused = _ask(closed)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "state_unavailable"
-        # Open falls back to local limits: the tenant's budget starts afresh here, and still holds.
-        local = [_ask(open_, KEY).status_code for _ in range(REQUESTS_PER_MIN + 2)]
+        # Open falls back to local limits: a budget known empty stays empty, another tenant's is kept here.
+        assert _ask(open_, KEY).status_code == 429
+        local = [_ask(open_, OTHER_KEY).status_code for _ in range(REQUESTS_PER_MIN + 2)]
         assert local.count(200) == REQUESTS_PER_MIN and local[-1] == 429
     finally:
         redis.start()

@@ -17,7 +17,8 @@ from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import records, wait_for
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
 
-KEYS = {"alice": "sk-alice", "bob": "sk-bob", "carol": "sk-carol", "dave": "sk-dave", "erin": "sk-erin"}
+KEYS = {"alice": "sk-alice", "bob": "sk-bob", "carol": "sk-carol", "dave": "sk-dave", "erin": "sk-erin",
+        "frank": "sk-frank"}
 SECRET = "the-operators-salt-secret"
 
 
@@ -28,7 +29,7 @@ def _hashed(key: str) -> str:
 @pytest.fixture(scope="module")
 def pair() -> Iterator[EnginePair]:
     with start_pair(prefill_pool=50000, decode_pool=50000, context_length=8192, model="glm-5",
-                    version="0.5.8") as running:
+                    version="0.5.8", token_delay_ms=2) as running:
         yield running
 
 
@@ -39,7 +40,8 @@ def gateway(pair: EnginePair, tmp_path_factory: pytest.TempPathFactory) -> Itera
                {"name": "carol", "api_keys": [_hashed(KEYS["carol"])], "cache_group": "team"},
                {"name": "dave", "api_keys": [_hashed(KEYS["dave"])], "cache_group": "team",
                 "limits": {"requests_per_min": 2}},
-               {"name": "erin", "api_keys": [_hashed(KEYS["erin"])], "limits": {"output_tokens_per_min": 50}}]
+               {"name": "erin", "api_keys": [_hashed(KEYS["erin"])], "limits": {"output_tokens_per_min": 50}},
+               {"name": "frank", "api_keys": [_hashed(KEYS["frank"])], "limits": {"output_tokens_per_min": 100}}]
     config = write_config(tmp_path_factory.mktemp("tenancy"), [model_entry("glm-5", [pair.prefill], [pair.decode])],
                           tenants=tenants, auth={"cache_salt_secret_env": "TEST_TENANCY_SALT_SECRET"})
     os.environ["TEST_TENANCY_SALT_SECRET"] = SECRET
@@ -126,3 +128,21 @@ def test_output_tokens_are_charged_and_a_tenant_in_debt_waits(gateway: RunningGa
         return response.status_code == 429 and "output tokens" in response.json()["error"]["message"]
 
     assert wait_for(refused, timeout_s=3)  # 80 produced against 50 a minute: in debt for ~36 s
+
+
+def test_output_tokens_are_charged_while_a_request_streams(gateway: RunningGateway) -> None:
+    """A long stream spends its tenant's output budget as it goes: the tenant's next request is refused while the
+    stream is still running, not only once it ends."""
+    body = {"model": "glm-5", "prompt": "go on", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {KEYS['frank']}"}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        events = 0
+        for line in lines:
+            events += line.startswith("data: ")
+            if events >= 300:
+                break
+        refused = _send(gateway, "frank", "meanwhile", "frank-1")
+        assert refused.status_code == 429 and "output tokens" in refused.json()["error"]["message"]
+        assert next(lines, None) is not None  # the stream itself was still going

@@ -118,6 +118,17 @@ def test_decode_dropping_mid_stream_ends_the_client_stream_with_an_error_and_no_
     assert not any(e == "data: [DONE]" for e in events)
 
 
+def test_a_corrupt_decode_chunk_is_never_answered_200_even_when_it_comes_with_the_end(
+        gateway: RunningGateway, pair: EnginePair) -> None:
+    """The corrupt event comes right before [DONE]: held events and the end are often released in one step, and the
+    failure must still win over the 200."""
+    for _ in range(4):
+        inject(pair.decode, action="bad_chunk", path="/v1/chat/completions", count=1)
+        response = httpx.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+            "model": "glm-5", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 502 and response.json()["error"]["code"] == "decode_failed"
+
+
 def test_decode_failure_before_first_token_keeps_its_status(gateway: RunningGateway, pair: EnginePair) -> None:
     inject(pair.decode, action="fail", status=503, path="/v1/chat/completions", count=1)
     response = httpx.post(gateway.url + "/v1/chat/completions", timeout=30, json={
