@@ -155,6 +155,13 @@ def _parse_completion(data: dict[str, Any]) -> ClientRequest:
     if data.get("suffix"):
         # With a server-side completion template the suffix becomes part of the prompt: not countable here.
         raise bad_request("suffix is not supported by this gateway", param="suffix")
+    if data.get("echo") and data.get("logprobs"):
+        # The prompt's logprobs: SGLang's OpenAI route never computes them ("Echo is not compatible with logprobs",
+        # serving_completions._convert_to_internal_request, 0.5.8 and 0.5.23), and in PD only the prefill could. An
+        # answer without them would silently differ from what was asked: refused, with the way that works.
+        raise bad_request("echo with logprobs (the prompt's logprobs) is not available on /v1/completions with "
+                          "prefill/decode disaggregation; use POST /generate with return_logprob: true and "
+                          "logprob_start_len: 0, or drop one of echo and logprobs", param="echo")
     prompt_value = data.get("prompt")
     prompt: Prompt
     if isinstance(prompt_value, list) and len(prompt_value) == 1 and isinstance(prompt_value[0], str):

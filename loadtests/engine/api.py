@@ -139,6 +139,8 @@ class GenerationAPI:
                 if delay + extra_first_delay > 0:
                     await asyncio.sleep(delay + extra_first_delay)
             text = eng.tok.decode(gen.output)
+            if spec.echo:  # serving_completions: the prompt's text leads the answer
+                text = (spec.text if spec.text is not None else eng.tok.decode(spec.input_ids or [])) + text
             self._account(gen, rec.arrival)
             rec.completion_tokens = n
             rec.finish(FINISHED, 200)
@@ -171,6 +173,8 @@ class GenerationAPI:
             await eng.run(gen)
             detok = StreamDetokenizer(eng.tok, self._pieces)
             state = StreamState(gen, spec)
+            if spec.echo:
+                state.echo_text = spec.text if spec.text is not None else eng.tok.decode(spec.input_ids or [])
             batch: list[bytes] = fmt.stream_head(state)
             first_delay = (cfg.first_token_delay_ms / 1000 if cfg.role == "decode" else 0.0) + extra_first_delay
             token_delay = cfg.token_delay_ms / 1000 if cfg.role == "decode" else 0.0

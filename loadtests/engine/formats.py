@@ -27,6 +27,8 @@ class PromptSpec:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on the content chunks
     model: str = "default"
     return_logprob: bool = False  # /generate: meta_info carries input_/output_token_logprobs
+    output_logprobs: int | None = None  # OpenAI routes: output logprobs with this many alternatives (non-streaming)
+    echo: bool = False  # /v1/completions: the prompt's text leads the answer
 
 
 def fake_logprob(token_id: int) -> float:
@@ -58,7 +60,7 @@ def reported_prompt_tokens(gen: Any) -> int:
 
 class StreamState:
     __slots__ = ("rid", "created", "model", "ids", "text", "include_usage", "continuous_usage", "gen", "frame",
-                 "return_logprob")
+                 "return_logprob", "output_logprobs", "echo_text")
 
     def __init__(self, gen: Any, spec: PromptSpec) -> None:
         self.gen = gen
@@ -70,6 +72,8 @@ class StreamState:
         self.include_usage = spec.include_usage
         self.continuous_usage = spec.continuous_usage
         self.return_logprob = spec.return_logprob
+        self.output_logprobs = spec.output_logprobs
+        self.echo_text = ""  # /v1/completions with echo: leads the first chunk's text
         self.frame: tuple[bytes, ...] | None = None  # cached chunk bytes around the per-token parts
 
 

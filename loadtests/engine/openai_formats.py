@@ -18,7 +18,8 @@ from .chat_prompt import build_prompt, check_request
 from .config import EngineConfig
 from .dialect import Dialect
 from .errors import HTTPError
-from .formats import BAD_REQUEST, Format, PromptSpec, StreamState, openai_error, prompt_ids, reported_prompt_tokens, sse
+from .formats import (BAD_REQUEST, Format, PromptSpec, StreamState, fake_logprob, openai_error, prompt_ids,
+                      reported_prompt_tokens, sse)
 from .openai_models import models_for
 
 # stand-ins for the delta and the usage in the cached content-chunk frame
@@ -102,10 +103,16 @@ class OpenAIFormat(Format):
 
     def ok_body(self, gen: Any, text: str, finish: dict[str, Any], spec: PromptSpec, cfg: EngineConfig) -> bytes:
         n = len(gen.output) if finish.get("type") != "abort" else 0
+        choice = self._choice(text, _finish_type(finish))
+        if spec.output_logprobs is not None and finish.get("type") != "abort":
+            choice["logprobs"] = self._logprobs(gen.output, spec.output_logprobs)
         return orjson.dumps({"id": gen.rid, "object": self.obj, "created": int(time.time()), "model": spec.model,
-                             "choices": [self._choice(text, _finish_type(finish))],
+                             "choices": [choice],
                              "usage": self.usage(reported_prompt_tokens(gen), n),
                              "metadata": {"weight_version": "default"}})
+
+    def _logprobs(self, ids: list[int], alternatives: int) -> dict[str, Any]:
+        raise NotImplementedError
 
     def _usage_chunk(self, st: StreamState, usage: dict[str, Any]) -> bytes:
         return sse({"id": st.rid, "object": self.chunk_obj, "created": st.created, "model": st.model, "choices": [],
@@ -147,6 +154,8 @@ class ChatFormat(OpenAIFormat):
             if chat.input_ids is not None and not chat.input_ids:
                 raise HTTPError(400, "input_ids cannot be empty.", "BadRequestError")
             self._options(req, spec)
+            if req.logprobs:
+                spec.output_logprobs = req.top_logprobs or 0
         except HTTPError:
             raise
         except ValueError as e:  # OpenAIServingBase.handle_request
@@ -161,6 +170,13 @@ class ChatFormat(OpenAIFormat):
             raise HTTPError(400, f"max_new_tokens must be at least 0, got {spec.max_new}.", "BadRequestError")
         return spec
 
+    def _logprobs(self, ids: list[int], alternatives: int) -> dict[str, Any]:
+        """ChoiceLogprobs: one entry per output token (token strings are stand-ins: `<id>`)."""
+        def entry(token_id: int) -> dict[str, Any]:
+            token = f"<{token_id}>"
+            return {"token": token, "bytes": list(token.encode()), "logprob": fake_logprob(token_id)}
+        return {"content": [{**entry(t), "top_logprobs": [entry(t + k) for k in range(alternatives)]} for t in ids]}
+
     def _message(self, content: str | None) -> dict[str, Any]:
         msg = {"role": "assistant", "content": content, "reasoning_content": None, "tool_calls": None}
         if self.dialect >= Dialect.V0_5_22:  # ChatMessage drops a null tool_calls
@@ -171,14 +187,15 @@ class ChatFormat(OpenAIFormat):
         return {"index": 0, "message": self._message(text or None), "logprobs": None, "finish_reason": finish,
                 "matched_stop": None}
 
-    def _chunk(self, st: StreamState, delta: dict[str, Any], finish: str | None, usage: Any = None) -> bytes:
+    def _chunk(self, st: StreamState, delta: dict[str, Any], finish: str | None, usage: Any = None,
+               logprobs: Any = None) -> bytes:
         """One role/content/finish chunk: pydantic's layout on 0.5.8, msgspec's `build_sse_content` on 0.5.22+."""
         chunk: dict[str, Any] = {"id": st.rid, "object": self.chunk_obj, "created": st.created, "model": st.model}
         if self.dialect < Dialect.V0_5_22:
             full = {"role": None, "content": None, "reasoning_content": None, "tool_calls": None, **delta}
         else:
             full = {"reasoning_content": None, **delta}
-        chunk["choices"] = [{"index": 0, "delta": full, "logprobs": None, "finish_reason": finish,
+        chunk["choices"] = [{"index": 0, "delta": full, "logprobs": logprobs, "finish_reason": finish,
                              "matched_stop": None}]
         if usage is not None or self.dialect < Dialect.V0_5_22:
             chunk["usage"] = usage
@@ -189,7 +206,11 @@ class ChatFormat(OpenAIFormat):
 
     def stream_token(self, st: StreamState, index: int, delta: str, finish: dict[str, Any] | None) -> bytes:
         out = b""
-        if index >= 0:
+        if index >= 0 and st.output_logprobs is not None:  # per-token logprobs: no cached frame
+            st.ids.append(index)
+            usage = self.usage(reported_prompt_tokens(st.gen), len(st.ids)) if st.continuous_usage else None
+            out = self._chunk(st, {"content": delta}, None, usage, self._logprobs([index], st.output_logprobs))
+        elif index >= 0:
             st.ids.append(index)
             if st.frame is None:  # content chunks differ only in the delta (and usage): splice into a cached frame
                 usage = "\x01" if st.continuous_usage else None
@@ -225,7 +246,7 @@ class CompletionFormat(OpenAIFormat):
             raise HTTPError(400, "Prompt cannot be empty", "BadRequestError")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        spec = PromptSpec(max_new=req.max_tokens)
+        spec = PromptSpec(max_new=req.max_tokens, echo=req.echo, output_logprobs=req.logprobs)
         if isinstance(prompt, str):
             spec.text = prompt
         elif all(isinstance(t, int) for t in prompt):
@@ -238,12 +259,24 @@ class CompletionFormat(OpenAIFormat):
     def _choice(self, text: str, finish: str | None) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": None}
 
+    def _logprobs(self, ids: list[int], alternatives: int) -> dict[str, Any]:
+        """LogProbs of the output tokens (the prompt's are never computed on this route)."""
+        tokens = [f"<{t}>" for t in ids]
+        offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+        return {"text_offset": offsets, "token_logprobs": [fake_logprob(t) for t in ids], "tokens": tokens,
+                "top_logprobs": [{f"<{t + k}>": fake_logprob(t + k) for k in range(alternatives)} for t in ids]}
+
     def stream_token(self, st: StreamState, index: int, delta: str, finish: dict[str, Any] | None) -> bytes:
+        choice = self._choice(delta, _finish_type(finish))
         if index >= 0:
+            if not st.ids and st.echo_text:  # serving_completions: echo leads the first chunk
+                choice["text"] = st.echo_text + delta
             st.ids.append(index)
+            if st.output_logprobs is not None:
+                choice["logprobs"] = self._logprobs([index], st.output_logprobs)
         usage = self.usage(reported_prompt_tokens(st.gen), len(st.ids)) if st.continuous_usage else None
         return sse({"id": st.rid, "object": self.chunk_obj, "created": st.created, "model": st.model,
-                    "choices": [self._choice(delta, _finish_type(finish))], "usage": usage})
+                    "choices": [choice], "usage": usage})
 
     def stream_tail(self, st: StreamState) -> list[bytes]:
         if not st.include_usage:  # model_dump_json(exclude_none=True): the null details vanish

@@ -346,6 +346,7 @@ def models_for(d: Dialect) -> OpenAIModels:
         model: str = "default"
         prompt: Union[List[int], List[List[int]], str, List[str]]
         echo: bool = False
+        logprobs: Optional[int] = None
         max_tokens: int = 16
         n: int = 1
         stream: bool = False

@@ -134,3 +134,43 @@ def test_tokenize_counts_as_admission_does_and_detokenize_inverts_it(gateway: Ru
     assert httpx.post(gateway.url + "/v1/detokenize", json={"tokens": [-1]}, timeout=10).status_code == 400
     too_many = httpx.post(gateway.url + "/v1/detokenize", json={"tokens": [1] * (2**21 + 1)}, timeout=30)
     assert too_many.status_code == 413  # counted by length before a single id is checked
+
+
+def test_chat_logprobs_come_back_per_output_token(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(model="glm-5", messages=MESSAGES, max_tokens=4, logprobs=True,
+                                                top_logprobs=2)
+    content = completion.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    assert all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_echo_works_and_echo_with_logprobs_is_a_clear_400(client: openai.OpenAI) -> None:
+    echoed = client.completions.create(model="glm-5", prompt="Once upon a time", max_tokens=3, echo=True)
+    assert echoed.choices[0].text.startswith("Once upon a time")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="glm-5", prompt="Once upon a time", max_tokens=3, echo=True, logprobs=1)
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "echo" and "/generate" in error["message"]
+
+
+def _tool(name: str) -> dict[str, object]:
+    return {"type": "function", "function": {"name": name, "description": f"the {name} tool",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_with_a_named_tool_choice_are_counted_as_sglang_counts_them(client: openai.OpenAI) -> None:
+    """SGLang keeps only the named tool in the prompt: 50 tools with a named choice count as that one tool does,
+    and the engine's own count agrees with the gateway's."""
+    tools = [_tool(f"tool_{i}") for i in range(50)]
+    choice = {"type": "function", "function": {"name": "tool_7"}}
+    many = client.chat.completions.with_raw_response.create(model="glm-5", messages=MESSAGES, max_tokens=1,
+                                                            tools=tools, tool_choice=choice)  # type: ignore[arg-type]
+    one = client.chat.completions.with_raw_response.create(model="glm-5", messages=MESSAGES, max_tokens=1,
+                                                           tools=[tools[7]], tool_choice=choice)  # type: ignore[arg-type]
+    auto = client.chat.completions.with_raw_response.create(model="glm-5", messages=MESSAGES, max_tokens=1,
+                                                            tools=tools)  # type: ignore[arg-type]
+    counted = [int(raw.headers["x-kvgate-prompt-tokens"]) for raw in (many, one, auto)]
+    assert counted[0] == counted[1] < counted[2]
+    for raw, gateway_count in zip((many, one, auto), counted):
+        assert raw.parse().usage.prompt_tokens == gateway_count  # the engine's count
