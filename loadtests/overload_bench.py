@@ -29,7 +29,7 @@ import aiohttp
 import yaml
 
 from loadtests.engine.harness import free_port, start_pair
-from loadtests.gateway_bench import GLM5_TEMPLATE, GLM5_TOKENIZER, REPO_ROOT, wait_ready
+from loadtests.procstat import GLM5_TEMPLATE, GLM5_TOKENIZER, REPO_ROOT, wait_ready
 
 ADMIN_TOKEN = "overload-bench"
 

@@ -3,7 +3,7 @@
 Each policy picks a prefill/decode pair (and takes and releases its lease, as every request does) over pools of 8
 workers each, with some requests in flight so load-aware policies have something to compare. prefix_affinity also
 pays for hashing the prompt's first token ids at admission (64 by default): measured on a chat rendering. The figures are set
-against round_robin, and against the gateway's own CPU per request (`loadtests.gateway_bench`, ~0.5–1 ms), which a
+against round_robin, and against the gateway's own CPU per request (`loadtests.bench`, ~0.5–1 ms), which a
 policy must not measurably move.
 
 Final lines (machine-readable): `policy=NAME pick_us=… vs_round_robin_us=…`, then `prefix_hash_us=…`.
@@ -17,7 +17,7 @@ import time
 from array import array
 
 from gateway.admission.tokenizer import ModelTokenizer
-from loadtests.gateway_bench import GLM5_TOKENIZER
+from loadtests.procstat import GLM5_TOKENIZER
 from routing.engines.identity import EngineIdentity
 from routing.policies import POLICIES, RouteKey, make_policy
 from routing.pools import ModelPool

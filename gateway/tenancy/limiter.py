@@ -68,25 +68,35 @@ class TenantLimiter:
             budgets.append(Budget("prompt_tokens", limits.prompt_tokens_per_min, prompt_tokens))
         if limits.output_tokens_per_min:
             budgets.append(Budget("output_tokens", limits.output_tokens_per_min, 0))
+        # Counted here before the shared state is asked: a sync taken meanwhile must not report (and so make true)
+        # a count without this request. Undone below if it is not admitted.
+        if limits.max_concurrent is not None:
+            self.in_flight[tenant.name] += 1
         try:
             decision = await self._state.admit_tenant(tenant.name, budgets, limits.max_concurrent)
-        except StateUnavailable:
-            raise StateDown() from None
+        except BaseException as exc:
+            self._forget_slot(tenant)
+            if isinstance(exc, StateUnavailable):
+                raise StateDown() from None
+            raise
         if not decision.admitted:
+            self._forget_slot(tenant)
             if decision.reason != "max_concurrent":  # a slot may free any moment; an empty budget refills slowly
                 if len(self._empty_until) > 100_000:
                     self._empty_until.clear()
                 self._empty_until[tenant.name] = (time.monotonic() + decision.retry_after_s, decision.reason)
             raise RateLimited(tenant.name, decision.reason, decision.retry_after_s)
-        if limits.max_concurrent is not None:
-            self.in_flight[tenant.name] += 1
         return TenantPass(self, tenant)
 
-    def finished(self, tenant: Tenant) -> None:
+    def _forget_slot(self, tenant: Tenant) -> None:
         if tenant.limits.max_concurrent is not None:
             self.in_flight[tenant.name] -= 1
             if self.in_flight[tenant.name] <= 0:
                 del self.in_flight[tenant.name]
+
+    def finished(self, tenant: Tenant) -> None:
+        if tenant.limits.max_concurrent is not None:
+            self._forget_slot(tenant)
             self._spawn(self._state.release_tenant(tenant.name))
 
     def charge_output(self, tenant: Tenant, tokens: int) -> None:
