@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import traceback
-import uuid
 
 import orjson
 from starlette.applications import Starlette
@@ -78,7 +78,7 @@ def _with_request_id(scope: Scope, send: Send) -> Send:
     """Every answer carries x-request-id: the client's own when it sent a sane one (bounded, no separators that
     could split a log line or a header), else a new one. The request keeps it in scope for logs and engines."""
     sent = next((value for name, value in scope["headers"] if name == b"x-request-id"), None)
-    request_id = sent if sent is not None and _CLIENT_REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex.encode()
+    request_id = sent if sent is not None and _CLIENT_REQUEST_ID.fullmatch(sent) else os.urandom(16).hex().encode()
     scope["kvgate.request_id"] = request_id.decode()
 
     async def stamped(message: Message) -> None:

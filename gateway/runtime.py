@@ -362,7 +362,8 @@ class Gateway:
         if request_id is not None:
             exchange.request_id = request_id
             self._by_request_id.setdefault(request_id, set()).add(exchange)
-            self._spawn_state_call(self.fleet.state.register_request(request_id))
+            if self.fleet.state.shared:  # one replica: the map above is the whole registry
+                self._spawn_state_call(self.fleet.state.register_request(request_id))
         exchange.start()
         return exchange
 
@@ -450,7 +451,8 @@ class Gateway:
                 same.discard(exchange)
                 if not same:
                     del self._by_request_id[request_id]
-            self._spawn_state_call(self.fleet.state.unregister_request(request_id))
+            if self.fleet.state.shared:
+                self._spawn_state_call(self.fleet.state.unregister_request(request_id))
 
     # ── the fleet ───────────────────────────────────────────────────────────────────────────────────────────
     def _fleet_report(self) -> FleetReport:
