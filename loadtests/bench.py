@@ -215,7 +215,8 @@ async def _run_row(load: Load, scenario: Scenario, front: Front) -> Row:
             return load.via(front.url, scenario, load.body(scenario), row, leave_after_s=rng.uniform(0.001, 0.15))
         return load.via(front.url, scenario, load.body(scenario), row)
 
-    warm = min(scenario.concurrency * 2, 64) if scenario.prompt_tokens == 0 and scenario.name != "faults" else 0
+    # Warm connections and caches (a long prompt: one, which also starts kvgate's admission worker process).
+    warm = 1 if scenario.prompt_tokens else 0 if scenario.name == "faults" else min(scenario.concurrency * 2, 64)
     await _drive(one, warm, scenario.concurrency, Row(scenario, front))
     cpu0 = cpu_seconds(front.pid) if front.pid else None
     mono0, wall0 = time.monotonic(), time.perf_counter()
