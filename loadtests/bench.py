@@ -202,18 +202,18 @@ async def _run_row(load: Load, scenario: Scenario, front: Front) -> Row:
 
     sent = 0
 
-    def one() -> Awaitable[None]:
+    def one(into: Row) -> Awaitable[None]:
         nonlocal sent
         sent += 1
         if scenario.name == "faults" and sent % 10 == 0:  # one decode in ten fails, spread out (not in a row)
             _inject(load.pair.decode.url, action="fail", status=500, count=1)
         if front.url is None:
-            return load.direct(scenario, load.body(scenario), row)
+            return load.direct(scenario, load.body(scenario), into)
         if scenario.name == "over_limit_mix":
-            return load.via(front.url, scenario, load.body(scenario, over_limit=rng.random() < 0.25), row)
+            return load.via(front.url, scenario, load.body(scenario, over_limit=rng.random() < 0.25), into)
         if scenario.name == "disconnects":  # leaves anywhere from before prefill's end to mid-stream
-            return load.via(front.url, scenario, load.body(scenario), row, leave_after_s=rng.uniform(0.001, 0.15))
-        return load.via(front.url, scenario, load.body(scenario), row)
+            return load.via(front.url, scenario, load.body(scenario), into, leave_after_s=rng.uniform(0.001, 0.15))
+        return load.via(front.url, scenario, load.body(scenario), into)
 
     # Warm connections and caches (a long prompt: one, which also starts kvgate's admission worker process).
     warm = 1 if scenario.prompt_tokens else 0 if scenario.name == "faults" else min(scenario.concurrency * 2, 64)
@@ -229,14 +229,14 @@ async def _run_row(load: Load, scenario: Scenario, front: Front) -> Row:
     return row
 
 
-async def _drive(one: Callable[[], Awaitable[None]], count: int, concurrency: int, row: Row) -> None:
+async def _drive(one: Callable[[Row], Awaitable[None]], count: int, concurrency: int, row: Row) -> None:
     remaining = count
 
     async def worker() -> None:
         nonlocal remaining
         while remaining > 0:
             remaining -= 1
-            await one()
+            await one(row)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
