@@ -25,13 +25,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 from loadtests.engine.harness import free_port, start_pair
+from loadtests.procstat import wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "config/models/glm-5"
@@ -74,20 +73,6 @@ def _gateway_config(directory: Path, prefill: object, decode: object) -> tuple[P
     return path, port
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError("kvgate exited")
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("kvgate did not become ready")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--python", default=sys.executable, help="a Python with sglang installed")
@@ -106,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
                                     "--log-level", "warning"], cwd=ROOT)
         try:
-            _wait_ready(url, gateway)
+            wait_ready(url, gateway, timeout_s=90)
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
             for backend in BACKENDS:
                 run = subprocess.run(

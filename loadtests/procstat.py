@@ -45,18 +45,18 @@ def threads_cpu_seconds(pid: int) -> float:
 
 
 def peak_rss_mib(pid: int) -> float:
-    """The process's high-water resident set (VmHWM)."""
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    """The process's high-water resident set."""
+    return _status_mib(pid, "VmHWM:")
 
 
 def rss_mib(pid: int) -> float:
+    return _status_mib(pid, "VmRSS:")
+
+
+def _status_mib(pid: int, field: str) -> float:
     with open(f"/proc/{pid}/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
     return float("nan")
 

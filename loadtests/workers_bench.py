@@ -22,6 +22,7 @@ import aiohttp
 import yaml
 
 from loadtests.engine.harness import EnginePair, free_port, start_pair
+from loadtests.procstat import wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = 64
@@ -71,22 +72,6 @@ async def _drive(url: str, seconds: float) -> tuple[int, list[float], int]:
     return len(latencies), latencies, errors
 
 
-def _ready(url: str, process: subprocess.Popen[bytes]) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError("kvgate exited")
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("kvgate did not become ready")
-
-
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -107,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
                                             "--workers", str(workers), "--log-level", "warning"], cwd=ROOT)
                 try:
-                    _ready(url, process)
+                    wait_ready(url, process, timeout_s=90)
                     asyncio.run(_drive(url, 2.0))  # warm-up: connections, token caches
                     done, latencies, errors = asyncio.run(_drive(url, args.seconds))
                 finally:
