@@ -27,6 +27,7 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
         self.model: str | None = None  # the served model it concerns, once known (for metrics; never sent)
+        self.retry_after_s: int | None = None  # sent as Retry-After when set (overload: the client may retry)
 
     def __reduce__(self) -> tuple[object, ...]:
         # Picklable (it crosses from the admission worker process): rebuilt from its fields, not from `args`.

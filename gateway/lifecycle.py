@@ -214,6 +214,16 @@ def map_engine_error(error: EngineError) -> GatewayError:
             return GatewayError(502, str(error), code=f"{role}_failed")
 
 
+def _connect_failure(error: EngineError) -> GatewayError:
+    """Nothing was sent to either engine. One too busy to take or confirm a connection in time is overloaded: 503 with
+    Retry-After (the client may simply retry), not a timeout of its request."""
+    if isinstance(error, EngineTimeout):
+        busy = GatewayError(503, f"{error}; nothing was sent, retry", code=f"{error.role}_busy")
+        busy.retry_after_s = 1
+        return busy
+    return map_engine_error(error)
+
+
 class PDExchange:
     """Both halves of one request. Created by the proxy, which then reads `events`.
 
@@ -314,7 +324,7 @@ class PDExchange:
                 tried.add(worker)
             # Nothing was sent to either engine: another pair may serve the request.
             if not self._retry_elsewhere(tried):
-                self.fail(map_engine_error(failed[0][1]))  # type: ignore[arg-type]
+                self.fail(_connect_failure(failed[0][1]))  # type: ignore[arg-type]
                 return
         prefill_link, decode_link = self._links = links  # type: ignore[assignment]
         try:

@@ -201,7 +201,7 @@ class GenerateEndpoint:
 
 
 def _retry_after(error: GatewayError) -> list[tuple[bytes, bytes]]:
-    seconds = getattr(error, "retry_after_s", None)
+    seconds = error.retry_after_s
     return [(b"retry-after", str(seconds).encode())] if seconds is not None else []
 
 
@@ -235,7 +235,7 @@ async def _relay_stream(exchange: PDExchange, send: Send) -> None:
             return
         case Failure(error):
             # Nothing was sent yet, so the failure keeps its own status code.
-            await send_error(send, error)
+            await send_error(send, error, _retry_after(error))
             return
     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + _count_header(exchange)})
     while True:
@@ -283,7 +283,7 @@ async def _relay_whole(exchange: PDExchange, send: Send) -> None:
                     await send_json(send, 200, assembler.body(), _count_header(exchange))
                 return
             case Failure(error):
-                await send_error(send, error)
+                await send_error(send, error, _retry_after(error))
                 return
             case ClientGone():
                 return

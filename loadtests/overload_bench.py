@@ -29,7 +29,7 @@ import aiohttp
 import yaml
 
 from loadtests.engine.harness import free_port, start_pair
-from loadtests.procstat import GLM5_TEMPLATE, GLM5_TOKENIZER, REPO_ROOT, wait_ready
+from loadtests.procstat import GLM5_TEMPLATE, GLM5_TOKENIZER, REPO_ROOT, peak_rss_mib, wait_ready
 
 ADMIN_TOKEN = "overload-bench"
 
@@ -59,6 +59,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--max-connections", type=int, default=1024,
                         help="the gateway's max_connections (raise it to exercise the per-worker limit and queue)")
+    parser.add_argument("--max-inflight", type=int, default=1024,
+                        help="limits.max_inflight_per_worker (raise it with --max-connections to hold every stream)")
     args = parser.parse_args()
     with start_pair(prefill_pool=400_000, decode_pool=400_000, context_length=8192, model="glm-5",
                     version="0.5.23", token_delay_ms=5) as pair, tempfile.TemporaryDirectory() as tmp:
@@ -68,7 +70,7 @@ def main() -> int:
             "listen": {"host": "127.0.0.1", "port": port}, "admin": {"token_env": "KVGATE_BENCH_ADMIN_TOKEN"},
             "max_connections": args.max_connections,
             "models": [{"name": "glm-5", "tokenizer": str(GLM5_TOKENIZER), "chat_template": str(GLM5_TEMPLATE),
-                        "context_length": 8192,
+                        "context_length": 8192, "limits": {"max_inflight_per_worker": args.max_inflight},
                         "prefill": [{"url": pair.prefill.url, "bootstrap_port": pair.prefill.bootstrap_port}],
                         "decode": [{"url": pair.decode.url}]}]}))
         env = {**os.environ, "KVGATE_BENCH_ADMIN_TOKEN": ADMIN_TOKEN}
@@ -82,6 +84,7 @@ def main() -> int:
             results = asyncio.run(storm(url, args.streams, args.tokens))
             took = time.monotonic() - started
             workers = asyncio.run(_workers(url))
+            peak_rss = peak_rss_mib(gateway.pid)
         finally:
             gateway.terminate()
             gateway.wait(timeout=60)
@@ -96,6 +99,7 @@ def main() -> int:
     print(f"retry_after_missing={sum(1 for s, retry, _ in results if s == 503 and not retry)}")
     print(f"incomplete_streams={sum(1 for s, _, done in results if s == 200 and not done)}")
     print(f"workers_in_rotation={sum(1 for w in workers if w['in_rotation'])}/{len(workers)}")
+    print(f"gateway_peak_rss_mib={peak_rss:.0f}")
     return 0
 
 

@@ -17,7 +17,8 @@ from gateway.admission.requests import UsageOptions
 from gateway.config import TimeoutsConfig
 from gateway.lifecycle import (ClientGone, Done, ExchangeRegistry, Failure, PDExchange, RelayEvent, Release,
                                RoomAllocator, TTFTPlausibility)
-from routing.engines.errors import EngineBroken, EngineChanged, EngineError, EngineRejected, EngineUnreachable
+from routing.engines.errors import (EngineBroken, EngineChanged, EngineError, EngineRejected, EngineTimeout,
+                                    EngineUnreachable)
 from routing.breaker import BreakerSpec, BreakerState
 from routing.engines.identity import EngineIdentity
 from routing.pools import Lease, WorkerPair
@@ -275,7 +276,9 @@ def test_total_timeout_fails_a_slow_but_alive_stream() -> None:
 
 @pytest.mark.parametrize(("role", "error", "status"), [
     ("prefill", EngineChanged("prefill", "restarted with another pool"), 503),
-    ("decode", EngineUnreachable("decode", "connection refused"), 502)])
+    ("decode", EngineUnreachable("decode", "connection refused"), 502),
+    # Too busy to confirm a new connection in time: overload, nothing sent — 503 with Retry-After, not a 504.
+    ("decode", EngineTimeout("decode", "did not confirm its identity within 5s"), 503)])
 def test_a_half_that_cannot_be_connected_fails_the_request_before_either_half_is_sent(
         role: str, error: EngineError, status: int) -> None:
     async def scenario() -> None:
@@ -285,6 +288,8 @@ def test_a_half_that_cannot_be_connected_fails_the_request_before_either_half_is
         log = await run.finished()
         events = run.relayed()
         assert len(events) == 1 and isinstance(events[0], Failure) and events[0].error.status == status
+        if isinstance(error, EngineTimeout):
+            assert events[0].error.code == "decode_busy" and events[0].error.retry_after_s == 1
         assert ("request", "prefill") not in log and ("request", "decode") not in log
         other = "decode" if role == "prefill" else "prefill"
         assert ("released unused", other) in log
