@@ -320,7 +320,8 @@ class PDExchange:
             for worker, error in failed:
                 if not isinstance(error, EngineError):
                     raise error
-                self._judge(worker, error)
+                if not isinstance(error, EngineTimeout):  # busy is not broken: health checks judge a hung engine
+                    self._judge(worker, error)
                 tried.add(worker)
             # Nothing was sent to either engine: another pair may serve the request.
             if not self._retry_elsewhere(tried):
