@@ -47,6 +47,12 @@ class Fleet:
         self._task: asyncio.Task[None] | None = None
         self._report: Callable[[], FleetReport] | None = None
         self._apply: Callable[[FleetView], None] | None = None
+        self._syncing = asyncio.Lock()  # one sync at a time: the loop's and an operator's never interleave
+
+    def reconfigure_tenants(self, auth: AuthConfig, tenants: list[TenantConfig]) -> None:
+        """A reloaded configuration's keys, limits and cache groups, for the next request (the salt's secret stays:
+        it is read from the environment once)."""
+        self.tenants = TenantDirectory(auth, tenants, self.state)
 
     @property
     def replica(self) -> str:
@@ -68,11 +74,19 @@ class Fleet:
 
     async def _run(self) -> None:
         while True:
-            await self.state.wait_for_news(self.config.sync_interval_s)
-            await self.sync_now()
+            try:
+                await self.state.wait_for_news(self.config.sync_interval_s)
+                await self.sync_now()
+            except Exception:  # the loop must outlive any one bad sync: kill switches and aborts ride on it
+                log.exception("fleet sync failed")
+                await asyncio.sleep(self.config.sync_interval_s)
 
     async def sync_now(self) -> None:
         """Publish this replica's report and follow the fleet's view (also right after an operator's change)."""
+        async with self._syncing:
+            await self._sync_once()
+
+    async def _sync_once(self) -> None:
         report, apply = self._report, self._apply
         if report is None or apply is None:
             return
@@ -90,8 +104,13 @@ class Fleet:
         apply(view)
 
     async def stop(self) -> None:
+        """After the drain: the loop stops, pending releases are sent, and the replica leaves the fleet."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(BaseException):
                 await self._task
+        await self.limiter.settle(timeout_s=2.0)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(2.0):
+                await self.state.leave()
         await self.state.close()

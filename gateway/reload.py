@@ -21,7 +21,7 @@ log = logging.getLogger("kvgate.reload")
 
 # Settings the running process cannot change in place.
 _RESTART_KEYS = ("listen", "max_body_bytes", "max_header_bytes", "max_headers", "max_connections",
-                 "token_cache_bytes", "admission_workers", "discovery")
+                 "token_cache_bytes", "admission_workers", "discovery", "state")
 _MODEL_RESTART_KEYS = ("tokenizer", "chat_template", "chat_template_kwargs")
 
 

@@ -298,6 +298,9 @@ class Gateway:
             changes += await self._apply_workers(model, before, after)
             await self.monitor.verify_now(name)  # the gate again, with the new limits: it updates admission
             changes.append(f"model {name}: settings applied")
+        if (new.auth, new.tenants) != (self.config.auth, self.config.tenants):
+            self.fleet.reconfigure_tenants(new.auth, new.tenants)  # revoked keys and new limits: next request
+            changes.append("tenants and auth applied")
         self.config = new
         return changes
 

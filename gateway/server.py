@@ -23,7 +23,7 @@ import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, load_config
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway
@@ -231,16 +231,22 @@ def serve_processes(config: GatewayConfig, *, log_level: str, config_path: str |
     stopping = False
 
     def start(index: int) -> None:
+        # Signals wait until the child has its own handlers (else `forward` could run in the child).
+        signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
         pid = os.fork()
         if pid == 0:  # the worker: default signal handling, its own event loop
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            for sig in _FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
             code = 1
             try:
-                code = _serve_one(config, log_level=log_level, config_path=config_path, sock=sock)
+                # The file as it is now: a worker started again follows the reloads its siblings followed.
+                current = load_config(config_path) if config_path else config
+                code = _serve_one(current, log_level=log_level, config_path=config_path, sock=sock)
             finally:
                 os._exit(code)
         children[pid] = index
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
 
     def forward(sig: int, _: FrameType | None) -> None:
         nonlocal stopping
@@ -249,11 +255,11 @@ def serve_processes(config: GatewayConfig, *, log_level: str, config_path: str |
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in _FORWARDED:
         signal.signal(sig, forward)
     for index in range(workers):
         start(index)
-    worst = 0
+    worst = 0  # the exit code: the worst of the workers' last exits (a crash that was restarted does not count)
     while children:
         try:
             pid, status = os.wait()
@@ -263,16 +269,21 @@ def serve_processes(config: GatewayConfig, *, log_level: str, config_path: str |
             continue
         index = children.pop(pid, None)
         code = os.waitstatus_to_exitcode(status)
-        worst = max(worst, abs(code))
         if index is not None and not stopping and code not in (0, 3):
             print(f"kvgate: worker {index} (pid {pid}) exited with {code}; starting it again", file=sys.stderr,
                   flush=True)
             time.sleep(1.0)
-            start(index)
-        elif code == 3 and not stopping:  # refused to start (e.g. the KV-pool gate): the others would too
+            if not stopping:  # a stop may have come during the pause
+                start(index)
+                continue
+        worst = max(worst, abs(code))
+        if code == 3 and not stopping:  # refused to start (e.g. the KV-pool gate): the others would too
             forward(signal.SIGTERM, None)
     sock.close()
     return worst
+
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

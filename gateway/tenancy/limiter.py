@@ -70,10 +70,11 @@ class TenantLimiter:
             budgets.append(Budget("output_tokens", limits.output_tokens_per_min, 0))
         # Counted here before the shared state is asked: a sync taken meanwhile must not report (and so make true)
         # a count without this request. Undone below if it is not admitted.
+        held_here = self.in_flight[tenant.name]  # this replica's others, admitted or being admitted
         if limits.max_concurrent is not None:
             self.in_flight[tenant.name] += 1
         try:
-            decision = await self._state.admit_tenant(tenant.name, budgets, limits.max_concurrent)
+            decision = await self._state.admit_tenant(tenant.name, budgets, limits.max_concurrent, held_here)
         except BaseException as exc:
             self._forget_slot(tenant)
             if isinstance(exc, StateUnavailable):
@@ -97,7 +98,7 @@ class TenantLimiter:
     def finished(self, tenant: Tenant) -> None:
         if tenant.limits.max_concurrent is not None:
             self._forget_slot(tenant)
-            self._spawn(self._state.release_tenant(tenant.name))
+            self._spawn(self._state.release_tenant(tenant.name, self.in_flight.get(tenant.name, 0)))
 
     def charge_output(self, tenant: Tenant, tokens: int) -> None:
         per_min = tenant.limits.output_tokens_per_min
@@ -108,6 +109,11 @@ class TenantLimiter:
         """This replica's count per tenant, which every sync makes the shared state's truth for this replica (a
         release or an admit whose answer was lost is corrected there)."""
         return dict(self.in_flight)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (a little) for releases and charges still on their way to the shared state."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
 
     def _spawn(self, coroutine: object) -> None:
         task = asyncio.get_running_loop().create_task(_quietly(coroutine))

@@ -66,9 +66,12 @@ class TenantDirectory:
             name = await self._state.api_key_tenant(digest)
         except StateUnavailable:
             # Not known: never cached as "no such key". A key seen before keeps its tenant through the outage;
-            # an unseen one cannot be judged (neither 401 nor served without its tenant's limits).
+            # an unseen one cannot be judged where keys are required (neither 401 nor served without its tenant's
+            # limits: 503); where they are not, it is served as any unknown key is.
             if cached is not None:
                 return cached[1]
+            if not self.required:
+                return None
             raise StateDown() from None
         tenant = None if name is None else self._by_name.get(name) or Tenant(name)
         if len(self._looked_up) > 100_000:  # many distinct wrong keys: start over rather than grow

@@ -57,12 +57,14 @@ class FleetState(Protocol):
     replica: str  # this process's id in the fleet
 
     async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
-                           ) -> TenantDecision:
-        """Check every budget and the concurrency cap atomically; charge them all (and take a slot) or none."""
+                           held_here: int = 0) -> TenantDecision:
+        """Check every budget and the concurrency cap atomically; charge them all (and take a slot) or none.
+        `held_here`: the tenant's other requests this replica holds or is admitting (its share is set, never
+        incremented, so a count can never be applied twice)."""
         ...
 
-    async def release_tenant(self, tenant: str) -> None:
-        """Give back the concurrency slot an admitted request took."""
+    async def release_tenant(self, tenant: str, held_here: int = 0) -> None:
+        """Give back the concurrency slot an admitted request took; `held_here` is what this replica still holds."""
         ...
 
     async def charge(self, tenant: str, budget: Budget) -> None:
@@ -80,7 +82,8 @@ class FleetState(Protocol):
     async def unregister_request(self, request_id: str) -> None: ...
 
     async def request_abort(self, request_id: str) -> list[str]:
-        """Ask every live replica that has `request_id` in flight to abort it; their ids (none: nobody has it)."""
+        """Ask every other live replica that has `request_id` in flight to abort it; their ids (none: nobody else
+        has it — the asking replica aborts its own requests itself)."""
         ...
 
     async def api_key_tenant(self, key_hash: str) -> str | None:
@@ -93,6 +96,10 @@ class FleetState(Protocol):
 
     async def wait_for_news(self, timeout_s: float) -> None:
         """Return when another replica published something (a kill switch, an abort) or after `timeout_s`."""
+        ...
+
+    async def leave(self) -> None:
+        """This replica stops: its lease, load, slots and registry stop counting now (not when the lease lapses)."""
         ...
 
     async def close(self) -> None: ...

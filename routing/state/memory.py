@@ -23,12 +23,11 @@ class MemoryState:
         self._concurrent: Counter[str] = Counter()
         self._disabled: dict[str, bool] = {}
         self._requests: Counter[str] = Counter()
-        self._aborts: list[str] = []
         self._secrets: dict[str, bytes] = {}
         self._news = asyncio.Event()
 
     async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
-                           ) -> TenantDecision:
+                           held_here: int = 0) -> TenantDecision:
         return self.admit_now(tenant, budgets, max_concurrent)
 
     def admit_now(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None) -> TenantDecision:
@@ -47,7 +46,7 @@ class MemoryState:
             self._concurrent[tenant] += 1
         return TenantDecision(True)
 
-    async def release_tenant(self, tenant: str) -> None:
+    async def release_tenant(self, tenant: str, held_here: int = 0) -> None:
         self.release_now(tenant)
 
     def release_now(self, tenant: str) -> None:
@@ -73,9 +72,8 @@ class MemoryState:
         return bucket
 
     async def sync(self, report: FleetReport) -> FleetView:
-        aborts, self._aborts = tuple(self._aborts), []
         self._forget_full_buckets()
-        return FleetView(loads_elsewhere={}, limits=dict(report.limits), disabled=dict(self._disabled), aborts=aborts)
+        return FleetView(loads_elsewhere={}, limits=dict(report.limits), disabled=dict(self._disabled), aborts=())
 
     def _forget_full_buckets(self) -> None:
         """A bucket left alone for a minute is full again, as if it had never been used."""
@@ -99,11 +97,7 @@ class MemoryState:
             del self._requests[request_id]
 
     async def request_abort(self, request_id: str) -> list[str]:
-        if request_id not in self._requests:
-            return []
-        self._aborts.append(request_id)
-        self._news.set()
-        return [self.replica]
+        return []  # no other replica: the caller aborts its own requests itself
 
     async def api_key_tenant(self, key_hash: str) -> str | None:
         return None
@@ -117,6 +111,9 @@ class MemoryState:
         except TimeoutError:
             pass
         self._news.clear()
+
+    async def leave(self) -> None:
+        pass
 
     async def close(self) -> None:
         pass

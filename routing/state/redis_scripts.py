@@ -18,24 +18,26 @@ end
 # Concurrency is a hash per tenant, one field per replica: a replica that died stops counting as soon as its lease
 # in kvgate:replicas lapses (its field is dropped then), so a crash never leaves phantom load.
 #   KEYS: bucket hash, concurrency hash, replicas zset, this replica's set of tenants holding slots
-#   ARGV: replica, max_concurrent (-1: none), n budgets, then n × (kind, per_min, cost), then the tenant
+#   ARGV: replica, max_concurrent (-1: none), n budgets, then n × (kind, per_min, cost), then the tenant and what
+#   this replica already holds of it (its field is set to that, plus one when admitted: never incremented)
 ADMIT = NOW + LEVEL + """
 local me = ARGV[1]
 local max_concurrent = tonumber(ARGV[2])
+local n = tonumber(ARGV[3])
+local held_here = tonumber(ARGV[5 + 3 * n])
 if max_concurrent >= 0 then
-  local held = 0
+  local held = held_here
   local fields = redis.call('HGETALL', KEYS[2])
   for i = 1, #fields, 2 do
     local lease = redis.call('ZSCORE', KEYS[3], fields[i])
-    if fields[i] == me or (lease and tonumber(lease) > now) then
+    if fields[i] ~= me and lease and tonumber(lease) > now then
       held = held + tonumber(fields[i + 1])
-    else
+    elseif fields[i] ~= me then
       redis.call('HDEL', KEYS[2], fields[i])
     end
   end
   if held >= max_concurrent then return {0, '1', 'max_concurrent'} end
 end
-local n = tonumber(ARGV[3])
 local levels = {}
 local wait, why = 0, ''
 for i = 0, n - 1 do
@@ -54,7 +56,7 @@ for i = 0, n - 1 do
 end
 if n > 0 then redis.call('EXPIRE', KEYS[1], 3600) end
 if max_concurrent >= 0 then
-  redis.call('HINCRBY', KEYS[2], me, 1)
+  redis.call('HSET', KEYS[2], me, held_here + 1)
   redis.call('EXPIRE', KEYS[2], 3600)
   redis.call('SADD', KEYS[4], ARGV[4 + 3 * n])
   redis.call('EXPIRE', KEYS[4], 3600)
@@ -71,10 +73,10 @@ redis.call('EXPIRE', KEYS[1], 3600)
 return 1
 """
 
-#   KEYS: concurrency hash   ARGV: replica
+#   KEYS: concurrency hash   ARGV: replica, what it still holds of the tenant
 RELEASE = """
-local left = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
-if left <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+local left = tonumber(ARGV[2])
+if left > 0 then redis.call('HSET', KEYS[1], ARGV[1], left) else redis.call('HDEL', KEYS[1], ARGV[1]) end
 return left
 """
 
@@ -154,12 +156,12 @@ return cjson.encode({loads = loads, limits = limits, disabled = disabled, aborts
 
 # Queue an abort for `request_id` on every live replica that has it in flight (a client may reuse an id: all
 # holders are cancelled, never just a decoy).
-#   ARGV: prefix, request id
+#   ARGV: prefix, request id, the asking replica (it aborts its own at once, without a queue)
 ABORT = NOW + """
-local p, id = ARGV[1], ARGV[2]
+local p, id, asking = ARGV[1], ARGV[2], ARGV[3]
 local owners = {}
 for _, replica in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', now, '+inf')) do
-  if redis.call('HEXISTS', p .. 'requests:' .. replica, id) == 1 then
+  if replica ~= asking and redis.call('HEXISTS', p .. 'requests:' .. replica, id) == 1 then
     redis.call('RPUSH', p .. 'aborts:' .. replica, id)
     redis.call('EXPIRE', p .. 'aborts:' .. replica, 60)
     redis.call('PUBLISH', p .. 'news', replica)
@@ -167,4 +169,16 @@ for _, replica in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', now, '+inf
   end
 end
 return owners
+"""
+
+# A replica stopping cleanly takes its lease and its shares back at once (a killed one's lapse with the lease).
+#   ARGV: prefix, replica
+LEAVE = """
+local p, me = ARGV[1], ARGV[2]
+redis.call('ZREM', p .. 'replicas', me)
+for _, tenant in ipairs(redis.call('SMEMBERS', p .. 'conc_tenants:' .. me)) do
+  redis.call('HDEL', p .. 'conc:' .. tenant, me)
+end
+redis.call('DEL', p .. 'conc_tenants:' .. me, p .. 'load:' .. me, p .. 'requests:' .. me, p .. 'aborts:' .. me)
+return 1
 """

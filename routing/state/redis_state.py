@@ -71,24 +71,25 @@ class RedisState:
         self._release = self._redis.register_script(lua.RELEASE)
         self._sync = self._redis.register_script(lua.SYNC)
         self._abort = self._redis.register_script(lua.ABORT)
+        self._leave = self._redis.register_script(lua.LEAVE)
         self._delta = _RegistryDelta()
         self._resnapshot = False
         self._news = asyncio.Event()
         self._listener: asyncio.Task[None] | None = None
 
     async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
-                           ) -> TenantDecision:
+                           held_here: int = 0) -> TenantDecision:
         args: list[str | int] = [self.replica, -1 if max_concurrent is None else max_concurrent, len(budgets)]
         for budget in budgets:
             args += [budget.kind, budget.per_min, budget.cost]
-        args.append(tenant)
+        args += [tenant, held_here]
         admitted, wait, why = await self._admit(
             keys=[f"{PREFIX}bucket:{tenant}", f"{PREFIX}conc:{tenant}", f"{PREFIX}replicas",
                   f"{PREFIX}conc_tenants:{self.replica}"], args=args)
         return TenantDecision(bool(admitted), float(wait), why.decode() if isinstance(why, bytes) else why)
 
-    async def release_tenant(self, tenant: str) -> None:
-        await self._release(keys=[f"{PREFIX}conc:{tenant}"], args=[self.replica])
+    async def release_tenant(self, tenant: str, held_here: int = 0) -> None:
+        await self._release(keys=[f"{PREFIX}conc:{tenant}"], args=[self.replica, held_here])
 
     async def charge(self, tenant: str, budget: Budget) -> None:
         await self._charge(keys=[f"{PREFIX}bucket:{tenant}"], args=[budget.kind, budget.per_min, budget.cost])
@@ -128,7 +129,7 @@ class RedisState:
         self._delta.finished.append(request_id)
 
     async def request_abort(self, request_id: str) -> list[str]:
-        owners = await self._abort(args=[PREFIX, request_id])
+        owners = await self._abort(args=[PREFIX, request_id, self.replica])
         return [owner.decode() for owner in owners or ()]
 
     async def api_key_tenant(self, key_hash: str) -> str | None:
@@ -169,6 +170,9 @@ class RedisState:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):  # bounded: a half-open subscription must not hold a stop
                         await asyncio.wait_for(pubsub.aclose(), 1.0)
+
+    async def leave(self) -> None:
+        await self._leave(args=[PREFIX, self.replica])
 
     async def close(self) -> None:
         if self._listener is not None:

@@ -77,14 +77,15 @@ class ResilientState:
             self._on_health(True)
 
     async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
-                           ) -> TenantDecision:
-        return await self._call("admit", lambda: self.primary.admit_tenant(tenant, budgets, max_concurrent),
+                           held_here: int = 0) -> TenantDecision:
+        return await self._call("admit", lambda: self.primary.admit_tenant(tenant, budgets, max_concurrent,
+                                                                           held_here),
                                 lambda: self.fallback.admit_tenant(tenant, budgets, max_concurrent))
 
-    async def release_tenant(self, tenant: str) -> None:
+    async def release_tenant(self, tenant: str, held_here: int = 0) -> None:
         # A slot may have been taken from the fallback during an outage: given back there too (floored at zero).
         await self.fallback.release_tenant(tenant)
-        await self._call("release", lambda: self.primary.release_tenant(tenant), _nothing)
+        await self._call("release", lambda: self.primary.release_tenant(tenant, held_here), _nothing)
 
     async def charge(self, tenant: str, budget: Budget) -> None:
         await self._call("charge", lambda: self.primary.charge(tenant, budget),
@@ -131,6 +132,9 @@ class ResilientState:
 
     async def wait_for_news(self, timeout_s: float) -> None:
         await self.primary.wait_for_news(timeout_s)
+
+    async def leave(self) -> None:
+        await self._call("leave", self.primary.leave, _nothing)
 
     async def close(self) -> None:
         await self.primary.close()

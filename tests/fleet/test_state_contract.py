@@ -93,13 +93,14 @@ def test_output_tokens_charged_later_block_new_requests_while_in_debt(on_each_ba
 
 def test_concurrency_slots_are_taken_and_given_back(on_each_backend: Callable[[Scenario], None]) -> None:
     async def scenario(state: FleetState) -> None:
-        assert (await state.admit_tenant("t", [], 2)).admitted
-        assert (await state.admit_tenant("t", [], 2)).admitted
-        third = await state.admit_tenant("t", [], 2)
+        # The caller says how many of the tenant's requests it already holds (the limiter's own count).
+        assert (await state.admit_tenant("t", [], 2, held_here=0)).admitted
+        assert (await state.admit_tenant("t", [], 2, held_here=1)).admitted
+        third = await state.admit_tenant("t", [], 2, held_here=2)
         assert not third.admitted and third.reason == "max_concurrent" and third.retry_after_s >= 1
-        assert (await state.admit_tenant("other", [], 2)).admitted  # tenants are separate
-        await state.release_tenant("t")
-        assert (await state.admit_tenant("t", [], 2)).admitted
+        assert (await state.admit_tenant("other", [], 2, held_here=0)).admitted  # tenants are separate
+        await state.release_tenant("t", held_here=1)
+        assert (await state.admit_tenant("t", [], 2, held_here=1)).admitted
 
     on_each_backend(scenario)
 
@@ -119,11 +120,9 @@ def test_kill_switch_and_aborts_come_back_in_the_view(on_each_backend: Callable[
         await state.register_request("req-1")
         view = await state.sync(FleetReport(limits={"m": 1000}))
         assert view.disabled == {"m": True} and view.limits == {"m": 1000}
-        assert await state.request_abort("req-1") == [state.replica]
+        assert await state.request_abort("req-1") == []  # its own: the asking replica aborts those itself
         assert await state.request_abort("unknown") == []
-        view = await state.sync(FleetReport())
-        assert view.aborts == ("req-1",)
-        assert (await state.sync(FleetReport())).aborts == ()  # delivered once
+        assert (await state.sync(FleetReport())).aborts == ()
         await state.set_disabled("m", False)
         assert (await state.sync(FleetReport())).disabled == {}
 
@@ -136,17 +135,18 @@ def test_two_replicas_share_load_limits_and_slots_and_a_dead_ones_lapse(server: 
         a = RedisState(RedisTarget(url=server.url), lease_s=1.0)
         b = RedisState(RedisTarget(url=server.url), lease_s=1.0)
         try:
-            assert (await b.admit_tenant("t", [], 2)).admitted
-            assert (await b.admit_tenant("t", [], 2)).admitted
+            assert (await b.admit_tenant("t", [], 2, held_here=0)).admitted
+            assert (await b.admit_tenant("t", [], 2, held_here=1)).admitted
             await b.sync(FleetReport(loads={"http://w1": 5}, limits={"m": 900}, concurrency={"t": 2}))
             view = await a.sync(FleetReport(loads={"http://w1": 1}, limits={"m": 1000}))
             assert view.loads_elsewhere == {"http://w1": 5}  # b's load, not a's own
             assert view.limits == {"m": 900}  # the lowest any live replica measured
-            assert not (await a.admit_tenant("t", [], 2)).admitted  # b holds both slots
+            assert not (await a.admit_tenant("t", [], 2, held_here=0)).admitted  # b holds both slots
             await b.register_request("req-b")
             await b.sync(FleetReport(concurrency={"t": 2}))
             assert await a.request_abort("req-b") == [b.replica]
             assert (await b.sync(FleetReport(concurrency={"t": 2}))).aborts == ("req-b",)
+            assert (await b.sync(FleetReport(concurrency={"t": 2}))).aborts == ()  # delivered once
             # b dies (stops syncing): after its lease, none of its load, limits or slots count
             started = time.monotonic()
             while time.monotonic() - started < 1.5:
@@ -154,7 +154,7 @@ def test_two_replicas_share_load_limits_and_slots_and_a_dead_ones_lapse(server: 
                 await asyncio.sleep(0.1)
             view = await a.sync(FleetReport(loads={"http://w1": 1}, limits={"m": 1000}))
             assert view.loads_elsewhere == {} and view.limits == {"m": 1000}
-            assert (await a.admit_tenant("t", [], 2)).admitted
+            assert (await a.admit_tenant("t", [], 2, held_here=0)).admitted
         finally:
             await a.close()
             await b.close()
@@ -169,11 +169,33 @@ def test_each_sync_makes_a_replicas_own_slot_count_the_truth(server: RedisServer
         server.client().flushall()
         a = RedisState(RedisTarget(url=server.url), lease_s=5.0)
         try:
-            assert (await a.admit_tenant("t", [], 1)).admitted  # its release never reaches Redis
-            assert not (await a.admit_tenant("t", [], 1)).admitted
-            await a.sync(FleetReport(concurrency={}))  # nothing in flight here any more
-            assert (await a.admit_tenant("t", [], 1)).admitted
+            assert (await a.admit_tenant("t", [], 1, held_here=0)).admitted  # its release never reaches Redis
+            await a.sync(FleetReport(concurrency={"t": 1}))
+            b = RedisState(RedisTarget(url=server.url), lease_s=5.0)
+            assert not (await b.admit_tenant("t", [], 1, held_here=0)).admitted  # a's slot counts for b
+            await a.sync(FleetReport(concurrency={}))  # nothing in flight on a any more
+            assert (await b.admit_tenant("t", [], 1, held_here=0)).admitted
+            await b.close()
         finally:
             await a.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_leaves_stops_counting_at_once(server: RedisServer) -> None:
+    async def scenario() -> None:
+        server.client().flushall()
+        a = RedisState(RedisTarget(url=server.url), lease_s=30.0)
+        b = RedisState(RedisTarget(url=server.url), lease_s=30.0)
+        try:
+            assert (await b.admit_tenant("t", [], 1, held_here=0)).admitted
+            await b.sync(FleetReport(loads={"http://w1": 3}, concurrency={"t": 1}))
+            assert (await a.sync(FleetReport())).loads_elsewhere == {"http://w1": 3}
+            await b.leave()  # a clean stop: no waiting for the 30 s lease
+            assert (await a.sync(FleetReport())).loads_elsewhere == {}
+            assert (await a.admit_tenant("t", [], 1, held_here=0)).admitted
+        finally:
+            await a.close()
+            await b.close()
 
     asyncio.run(scenario())

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import yaml
 
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import records, wait_for
@@ -146,3 +147,26 @@ def test_output_tokens_are_charged_while_a_request_streams(gateway: RunningGatew
         refused = _send(gateway, "frank", "meanwhile", "frank-1")
         assert refused.status_code == 429 and "output tokens" in refused.json()["error"]["message"]
         assert next(lines, None) is not None  # the stream itself was still going
+
+
+def test_a_reload_revokes_a_key_and_applies_new_limits(pair: EnginePair, tmp_path_factory: pytest.TempPathFactory,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGATE_ADMIN_TOKEN", "reload-admin")
+    tenants = [{"name": "grace", "api_keys": [_hashed("sk-grace")]}, {"name": "heidi", "api_keys": [_hashed("sk-heidi")]}]
+    config = write_config(tmp_path_factory.mktemp("reload"), [model_entry("glm-5", [pair.prefill], [pair.decode])],
+                          tenants=tenants, auth={"required": True})
+    with running_gateway(config) as gateway:
+        def ask(key: str) -> int:
+            return httpx.post(gateway.url + "/generate", headers={"authorization": f"Bearer {key}"}, timeout=30,
+                              json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}).status_code
+
+        assert ask("sk-grace") == 200 and ask("sk-heidi") == 200
+        document = yaml.safe_load(config.read_text())
+        document["tenants"] = [{"name": "heidi", "api_keys": [_hashed("sk-heidi")],
+                                "limits": {"requests_per_min": 1}}]  # grace's key revoked, heidi limited
+        config.write_text(yaml.safe_dump(document))
+        reloaded = httpx.post(gateway.url + "/admin/reload", headers={"authorization": "Bearer reload-admin"},
+                              timeout=30)
+        assert reloaded.status_code == 200, reloaded.text
+        assert ask("sk-grace") == 401
+        assert [ask("sk-heidi") for _ in range(2)] == [200, 429]
