@@ -167,27 +167,37 @@ class GenerateEndpoint:
             return None
         salt = gateway.fleet.salts.salt(tenant.salt_group, admitted.cache_salt)
         key = model.route_key(admitted, scope["headers"], salt)
+        request_id = record.request_id or ""
+        gateway.queue_begin(request_id)
         try:
             started = time.perf_counter()
             lease = await model.pool.acquire_pair(key)
             record.queue_s = time.perf_counter() - started
         except NoWorkerAvailable as exc:
+            gateway.queue_end(request_id, dispatched=False)
             tenant_pass.release()
             await self._refuse(send, record, GatewayError(503, str(exc), code="no_worker_available"))
             return None
         except PoolSaturated as exc:
+            gateway.queue_end(request_id, dispatched=False)
             tenant_pass.release()
             await self._refuse(send, record, GatewayError(503, str(exc), code="overloaded"),
                                [(b"retry-after", str(exc.retry_after_s).encode())])
             return None
         except BaseException:  # e.g. cancelled while queued
+            gateway.queue_end(request_id, dispatched=False)
             tenant_pass.release()
             raise
-        if model.refusal is not None:  # disabled (or refused by the gate) while it waited in the queue
+        refusal = None
+        if gateway.queue_end(request_id, dispatched=model.refusal is None):
+            refusal = GatewayError(503, "the request was aborted by an operator", code="aborted_by_operator")
+        elif model.refusal is not None:  # disabled (or refused by the gate) while it waited in the queue
+            refusal = GatewayError(503, f"model {model.name!r} is not served: {model.refusal}",
+                                   code="model_unavailable")
+        if refusal is not None:
             lease.release()
             tenant_pass.release()
-            await self._refuse(send, record, GatewayError(503, f"model {model.name!r} is not served: "
-                                                               f"{model.refusal}", code="model_unavailable"))
+            await self._refuse(send, record, refusal)
             return None
         return gateway.dispatch(model, lease, admitted, key, traceparent=record.engine_traceparent,
                                 request_id=record.request_id, tenant_pass=tenant_pass, cache_salt=salt)

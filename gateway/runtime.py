@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections import Counter
 from collections.abc import Collection, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -190,6 +191,8 @@ class Gateway:
         self.provenance: dict[str, ProvenanceWindow] = {}
         self.fleet = Fleet(config.state, config.auth, config.tenants, self.metrics)
         self._by_request_id: dict[str, set[PDExchange]] = {}  # for aborts by x-request-id
+        self._queued: Counter[str] = Counter()  # request ids waiting for a worker pair (admitted, not dispatched)
+        self._abort_queued: set[str] = set()  # ... of which an operator aborted these: refused when their turn comes
         self._passes: dict[PDExchange, TenantPass] = {}  # each exchange's hold on its tenant's limits
         self._state_calls: set[asyncio.Task[None]] = set()
         self._provenance_thread = ThreadPoolExecutor(1, thread_name_prefix="kvgate-provenance")
@@ -362,21 +365,42 @@ class Gateway:
                               else None)
         if tenant_pass is not None:
             self._passes[exchange] = tenant_pass
-        if request_id is not None:
+        if request_id is not None:  # registered in the fleet since queue_begin; forgotten when the exchange closes
             exchange.request_id = request_id
             self._by_request_id.setdefault(request_id, set()).add(exchange)
-            if self.fleet.state.shared:  # one replica: the map above is the whole registry
-                self._spawn_state_call(self.fleet.state.register_request(request_id))
         exchange.start()
         return exchange
 
+    # ── requests by id: queued, then dispatched (an operator's abort reaches both) ──────────────────────────────
+    def queue_begin(self, request_id: str) -> None:
+        """An admitted request starts waiting for a worker pair: abortable by its id from now on, fleet-wide."""
+        self._queued[request_id] += 1
+        if self.fleet.state.shared:  # one replica: the local maps are the whole registry
+            self._spawn_state_call(self.fleet.state.register_request(request_id))
+
+    def queue_end(self, request_id: str, *, dispatched: bool) -> bool:
+        """It stopped waiting; True when an operator aborted it meanwhile (it must then not be dispatched). One that
+        will not be dispatched leaves the fleet's registry here (a dispatched one when its exchange closes)."""
+        self._queued[request_id] -= 1
+        aborted = request_id in self._abort_queued
+        if self._queued[request_id] <= 0:
+            del self._queued[request_id]
+            self._abort_queued.discard(request_id)
+        if (aborted or not dispatched) and self.fleet.state.shared:
+            self._spawn_state_call(self.fleet.state.unregister_request(request_id))
+        return aborted
+
     def abort_local(self, request_id: str) -> int:
-        """Cancel, on both halves, every exchange of this replica that carries `request_id`; how many."""
+        """Cancel, on both halves, every exchange of this replica that carries `request_id`, and refuse those still
+        waiting for a pair when their turn comes; how many."""
         exchanges = list(self._by_request_id.get(request_id, ()))
         for exchange in exchanges:
             self.metrics.operator_aborts.labels(exchange.admitted.model).inc()
             exchange.fail(GatewayError(503, "the request was aborted by an operator", code="aborted_by_operator"))
-        return len(exchanges)
+        waiting = self._queued.get(request_id, 0)
+        if waiting:
+            self._abort_queued.add(request_id)
+        return len(exchanges) + waiting
 
     def _spawn_state_call(self, call: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(call)
@@ -461,7 +485,8 @@ class Gateway:
     def _fleet_report(self) -> FleetReport:
         loads = {w.url: w.in_flight for m in self.models.values() for w in m.pool.workers}
         limits = {name: j.effective_limit for name, j in self.judgements.items() if j.effective_limit > 0}
-        requests = {request_id: len(held) for request_id, held in self._by_request_id.items()}
+        requests = Counter({request_id: len(held) for request_id, held in self._by_request_id.items()})
+        requests.update(self._queued)
         return FleetReport(loads=loads, limits=limits, requests=requests)
 
     def _apply_fleet_view(self, view: FleetView) -> None:
