@@ -198,7 +198,11 @@ def _settle_and_check(url: str, pair: EnginePair, pid: int, fds0: int, rss0: flo
         if held == 0 and used == 0 and not running:
             break
         time.sleep(0.5)
-    fds1, rss1 = open_fds(pid), rss_mib(pid)
+    # Idle keep-alive connections (to the engines, from the clients) close within seconds: growth that stays is a leak.
+    deadline = time.monotonic() + 15
+    while (fds1 := open_fds(pid)) > fds0 + 16 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    rss1 = rss_mib(pid)
     metrics = httpx.get(url + "/metrics", timeout=5).text
     print(f"fds {fds0} -> {fds1}; rss {rss0:.0f} -> {rss1:.0f} MiB; held {held}; engine KV tokens in use {used}; "
           f"engine requests running {len(running)}; canary probes {_metric(metrics, 'kvgate_canary_probes_total'):.0f}"
