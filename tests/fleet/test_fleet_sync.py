@@ -43,7 +43,8 @@ def test_other_replicas_load_arrives_on_the_sync_interval(tmp_path: Path, admin_
                        token_delay_ms=20) as pair:
         def config(interval_s: float) -> Path:
             return write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode])],
-                                state={"backend": "redis", "redis_url": redis.url, "sync_interval_s": interval_s})
+                                state={"backend": "redis", "redis_url": redis.url, "sync_interval_s": interval_s,
+                                       "timeout_s": 1.0})
 
         with running_gateway(config(0.1)) as owner, running_gateway(config(0.1)) as quick, \
                 running_gateway(config(SLOW_SYNC_S)) as slow:

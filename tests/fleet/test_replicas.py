@@ -76,7 +76,7 @@ def replicas(redis: RedisServer, pair: EnginePair, tmp_path_factory: pytest.Temp
             config = write_config(directory, [model_entry("glm-5", [pair.prefill], [pair.decode],
                                                           routing={"decode_policy": "least_outstanding"})],
                                   state={"backend": "redis", "redis_url": redis.url, "lease_s": LEASE_S,
-                                         "sync_interval_s": 0.1},
+                                         "sync_interval_s": 0.1, "timeout_s": 1.0},  # a loaded CI machine
                                   auth={"required": True}, tenants=tenants)
             port = int(config.stem.split("-")[1])
             process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),

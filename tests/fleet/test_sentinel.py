@@ -75,7 +75,7 @@ def test_a_sentinel_failover_is_survived_and_state_follows_the_new_primary(tmp_p
             config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode])],
                                   state={"backend": "redis", "redis_sentinels": [f"127.0.0.1:{sentinel_port}"],
                                          "redis_service": SERVICE, "on_redis_down": "open",
-                                         "sync_interval_s": 0.1})
+                                         "sync_interval_s": 0.1, "timeout_s": 1.0})
             with running_gateway(config) as gateway:
                 def served() -> bool:
                     return httpx.post(gateway.url + "/generate", timeout=10, json={

@@ -35,7 +35,7 @@ def on_each_backend(request: pytest.FixtureRequest, server: RedisServer) -> Call
                 await scenario(MemoryState())
                 return
             server.client().flushall()
-            state = RedisState(RedisTarget(url=server.url), lease_s=1.0)
+            state = RedisState(RedisTarget(url=server.url, timeout_s=2.0), lease_s=1.0)
             try:
                 await scenario(state)
             finally:
@@ -132,8 +132,8 @@ def test_kill_switch_and_aborts_come_back_in_the_view(on_each_backend: Callable[
 def test_two_replicas_share_load_limits_and_slots_and_a_dead_ones_lapse(server: RedisServer) -> None:
     async def scenario() -> None:
         server.client().flushall()
-        a = RedisState(RedisTarget(url=server.url), lease_s=1.0)
-        b = RedisState(RedisTarget(url=server.url), lease_s=1.0)
+        a = RedisState(RedisTarget(url=server.url, timeout_s=2.0), lease_s=1.0)
+        b = RedisState(RedisTarget(url=server.url, timeout_s=2.0), lease_s=1.0)
         try:
             assert (await b.admit_tenant("t", [], 2, held_here=0)).admitted
             assert (await b.admit_tenant("t", [], 2, held_here=1)).admitted
@@ -167,11 +167,11 @@ def test_each_sync_makes_a_replicas_own_slot_count_the_truth(server: RedisServer
     next sync replaces what Redis holds for it with what it really has in flight."""
     async def scenario() -> None:
         server.client().flushall()
-        a = RedisState(RedisTarget(url=server.url), lease_s=5.0)
+        a = RedisState(RedisTarget(url=server.url, timeout_s=2.0), lease_s=5.0)
         try:
             assert (await a.admit_tenant("t", [], 1, held_here=0)).admitted  # its release never reaches Redis
             await a.sync(FleetReport(concurrency={"t": 1}))
-            b = RedisState(RedisTarget(url=server.url), lease_s=5.0)
+            b = RedisState(RedisTarget(url=server.url, timeout_s=2.0), lease_s=5.0)
             assert not (await b.admit_tenant("t", [], 1, held_here=0)).admitted  # a's slot counts for b
             await a.sync(FleetReport(concurrency={}))  # nothing in flight on a any more
             assert (await b.admit_tenant("t", [], 1, held_here=0)).admitted
@@ -185,8 +185,8 @@ def test_each_sync_makes_a_replicas_own_slot_count_the_truth(server: RedisServer
 def test_a_replica_that_leaves_stops_counting_at_once(server: RedisServer) -> None:
     async def scenario() -> None:
         server.client().flushall()
-        a = RedisState(RedisTarget(url=server.url), lease_s=30.0)
-        b = RedisState(RedisTarget(url=server.url), lease_s=30.0)
+        a = RedisState(RedisTarget(url=server.url, timeout_s=2.0), lease_s=30.0)
+        b = RedisState(RedisTarget(url=server.url, timeout_s=2.0), lease_s=30.0)
         try:
             assert (await b.admit_tenant("t", [], 1, held_here=0)).admitted
             await b.sync(FleetReport(loads={"http://w1": 3}, concurrency={"t": 1}))

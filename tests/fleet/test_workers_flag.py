@@ -23,7 +23,7 @@ def test_two_worker_processes_share_one_port_and_one_fleet(tmp_path: Path) -> No
             start_pair(prefill_pool=50000, decode_pool=50000, context_length=8192, model="glm-5",
                        version="0.5.23") as pair:
         config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode])],
-                              state={"backend": "redis", "redis_url": redis.url})
+                              state={"backend": "redis", "redis_url": redis.url, "timeout_s": 1.0})
         url = f"http://127.0.0.1:{int(config.stem.split('-')[1])}"
         parent = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
                                    "--workers", "2", "--log-level", "warning"], cwd=ROOT,
