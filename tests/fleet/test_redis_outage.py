@@ -45,7 +45,7 @@ def _running(directory: Path, tenants: list[dict[str, object]],
                        version="0.5.23") as pair:
         configs = [write_config(directory, [model_entry("glm-5", [pair.prefill], [pair.decode])],
                                 state={"backend": "redis", "redis_url": redis.url, "on_redis_down": mode,
-                                       "sync_interval_s": 0.1, "timeout_s": 0.2}, tenants=tenants)
+                                       "sync_interval_s": 0.1, "timeout_s": 0.5}, tenants=tenants)
                    for mode in ("open", "closed")]
         with running_gateway(configs[0]) as open_, running_gateway(configs[1]) as closed:
             yield redis, open_, closed
