@@ -485,6 +485,8 @@ class Gateway:
     def _fleet_report(self) -> FleetReport:
         loads = {w.url: w.in_flight for m in self.models.values() for w in m.pool.workers}
         limits = {name: j.effective_limit for name, j in self.judgements.items() if j.effective_limit > 0}
+        if not self.fleet.state.shared:  # one replica: no registry to publish
+            return FleetReport(loads=loads, limits=limits)
         requests = Counter({request_id: len(held) for request_id, held in self._by_request_id.items()})
         requests.update(self._queued)
         return FleetReport(loads=loads, limits=limits, requests=requests)

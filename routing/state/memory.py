@@ -28,10 +28,7 @@ class MemoryState:
 
     async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
                            held_here: int = 0) -> TenantDecision:
-        return self.admit_now(tenant, budgets, max_concurrent)
-
-    def admit_now(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None) -> TenantDecision:
-        now = self._clock()
+        now = self._clock()  # one process: its own count is the truth (held_here is for shared backends)
         if max_concurrent is not None and self._concurrent[tenant] >= max_concurrent:
             return TenantDecision(False, 1.0, "max_concurrent")
         buckets = [(budget, self._bucket(tenant, budget, now)) for budget in budgets]
@@ -47,18 +44,12 @@ class MemoryState:
         return TenantDecision(True)
 
     async def release_tenant(self, tenant: str, held_here: int = 0) -> None:
-        self.release_now(tenant)
-
-    def release_now(self, tenant: str) -> None:
         if self._concurrent[tenant] > 0:
             self._concurrent[tenant] -= 1
         if not self._concurrent[tenant]:
             del self._concurrent[tenant]
 
     async def charge(self, tenant: str, budget: Budget) -> None:
-        self.charge_now(tenant, budget)
-
-    def charge_now(self, tenant: str, budget: Budget) -> None:
         now = self._clock()
         bucket = self._bucket(tenant, budget, now)
         bucket.refill(budget.per_min, now)
