@@ -206,7 +206,10 @@ class Gateway:
         self.admission_workers = AdmissionWorkers(self.config.models, workers=self.config.admission_workers,
                                                   cache_bytes=self.config.token_cache_bytes)
         timeouts = self.config.timeouts
-        self.engines = EngineClient(connect_timeout_s=timeouts.connect_s, verify_timeout_s=self.config.health.timeout_s,
+        # A new connection's identity check may take as long as the slowest model's health read: an engine healthy
+        # by its own model's standard is never "busy" at connect (busy timeouts do not reach its breaker).
+        verify_timeout_s = max(self.config.health_of(m).timeout_s for m in self.config.models)
+        self.engines = EngineClient(connect_timeout_s=timeouts.connect_s, verify_timeout_s=verify_timeout_s,
                                     abort_timeout_s=timeouts.abort_s)
         self.metrics.watch_workers(
             lambda: [(m.name, w) for m in self.models.values() for w in m.pool.workers])
