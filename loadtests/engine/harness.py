@@ -1,4 +1,4 @@
-"""Start emulated SGLang servers as subprocesses, for tests and benchmarks.
+"""Start emulated SGLang servers as processes of their own (forked warm, see forked.py), for tests and benchmarks.
 
     from loadtests.engine.harness import start_engine, start_pair
 
@@ -22,13 +22,14 @@ import random
 import select
 import signal
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from subprocess import TimeoutExpired
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from .forked import ForkedEngineProcess
 
 if TYPE_CHECKING:
     import aiohttp
@@ -114,16 +115,17 @@ class RunningEngine:
     bootstrap_port: int
     opts: dict[str, Any]
     startup_timeout_s: float = 60.0
-    proc: subprocess.Popen[str] | None = field(default=None, repr=False)
+    proc: ForkedEngineProcess | None = field(default=None, repr=False)
     ready_line: str = ""
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def argv(self) -> list[str]:
-        return [sys.executable, "-m", "loadtests.engine", "--role", self.role, "--host", self.host,
-                "--port", str(self.port), "--bootstrap-port", str(self.bootstrap_port), *_flags(self.opts)]
+    def arguments(self) -> list[str]:
+        """The command-line arguments of `python -m loadtests.engine` for this engine."""
+        return ["--role", self.role, "--host", self.host, "--port", str(self.port),
+                "--bootstrap-port", str(self.bootstrap_port), *_flags(self.opts)]
 
     def start(self) -> "RunningEngine":
         """Launch and block until the ready line; raises RuntimeError with the child's stderr on failure."""
@@ -131,11 +133,10 @@ class RunningEngine:
         return self.wait_ready()
 
     def launch(self) -> None:
-        """Spawn the process without waiting (see wait_ready)."""
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(self.argv(), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        """Start the process without waiting (see wait_ready): `python -m loadtests.engine` with `arguments()`,
+        forked from a warm process (see forked.py)."""
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+        self.proc = ForkedEngineProcess(self.arguments(), env, str(REPO_ROOT))
 
     def wait_ready(self) -> "RunningEngine":
         assert self.proc is not None, "launch() first"
@@ -169,7 +170,7 @@ class RunningEngine:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+            except TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         for stream in (self.proc.stdout, self.proc.stderr):
