@@ -85,7 +85,8 @@ def _explicit_template(path: str) -> tuple[str, str]:
     return text, text.replace("\\n", "\n")
 
 
-# Tokenizers loaded ahead of time by `preload` (in the test harness's fork server), each handed to one engine.
+# Tokenizers loaded ahead of time by `preload` (in the test harness's fork server), each handed to one engine, by
+# the tokenizer file they were loaded from. An engine with a chat template of its own sets it on the one it takes.
 _warm_backends: dict[str, tokenizers.Tokenizer] = {}
 _warm_hf: dict[str, Any] = {}
 
@@ -94,8 +95,8 @@ def preload(tokenizer: str) -> None:
     """Load `tokenizer` (and transformers, ~2.5 s of CPU together) now, so that an engine forked from this process
     starts without parsing anything. Each loaded object is taken by the first engine that asks for it."""
     path = str(prepare_tokenizer_dir(tokenizer, None))
-    _warm_backends[path] = tokenizers.Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-    _warm_hf[path] = _load_hf(path)
+    _warm_backends[tokenizer] = tokenizers.Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    _warm_hf[tokenizer] = _load_hf(path)
 
 
 def _load_hf(path: str) -> Any:
@@ -112,7 +113,8 @@ class PromptTokenizer:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         self.path = str(prepare_tokenizer_dir(tokenizer, chat_template))
-        self.backend = _warm_backends.pop(self.path, None) or tokenizers.Tokenizer.from_file(
+        self._source = tokenizer
+        self.backend = _warm_backends.pop(tokenizer, None) or tokenizers.Tokenizer.from_file(
             str(Path(self.path) / "tokenizer.json"))
         self.backend.no_truncation()
         self.backend.no_padding()
@@ -128,7 +130,7 @@ class PromptTokenizer:
     def chat(self) -> ChatTemplate:
         """The chat-template calls, with transformers' tokenizer loaded on first use."""
         if self._chat is None:
-            hf = _warm_hf.pop(self.path, None) or _load_hf(self.path)
+            hf = _warm_hf.pop(self._source, None) or _load_hf(self.path)
             if self._explicit is not None:
                 hf.chat_template = self._explicit[1]
             elif isinstance(hf.chat_template, dict):  # named templates: SGLang takes the first

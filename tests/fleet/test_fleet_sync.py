@@ -18,7 +18,7 @@ from tests.gateway_harness import RunningGateway, model_entry, running_gateway, 
 from tests.redis_harness import redis_server
 
 ADMIN = {"authorization": "Bearer sync-admin"}
-SLOW_SYNC_S = 3.0
+SLOW_SYNC_S = 1.5
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ a failure of either half cancels the other at once, and no failure becomes an HT
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Iterator
@@ -150,12 +151,19 @@ def test_decode_that_never_answers_times_out_with_504(gateway: RunningGateway, p
 def test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_unique(
         gateway: RunningGateway, pair: EnginePair) -> None:
     requests = 1000
-    with httpx.Client(base_url=gateway.url, timeout=30) as client:
-        for i in range(requests):
-            response = client.post("/generate", json={
-                "text": f"req {i}", "rid": "victim", "bootstrap_room": 7, "bootstrap_host": "10.9.9.9",
-                "bootstrap_port": 1, "sampling_params": {"max_new_tokens": 1}})
-            assert response.status_code == 200
+
+    async def send_all() -> list[int]:
+        semaphore = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            async def one(i: int) -> int:
+                async with semaphore:
+                    response = await client.post("/generate", json={
+                        "text": f"req {i}", "rid": "victim", "bootstrap_room": 7, "bootstrap_host": "10.9.9.9",
+                        "bootstrap_port": 1, "sampling_params": {"max_new_tokens": 1}})
+                return response.status_code
+            return list(await asyncio.gather(*(one(i) for i in range(requests))))
+
+    assert asyncio.run(send_all()) == [200] * requests
     for engine in (pair.prefill, pair.decode):
         seen = [r for r in records(engine) if r.get("path") == "/generate"]
         assert len(seen) == requests
