@@ -16,6 +16,17 @@ from loadtests.engine.harness import EnginePair, start_pair  # noqa: E402
 from tests.gateway_harness import GLM5_TEMPLATE, GLM5_TOKENIZER  # noqa: E402
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a `long_running` test first: bin/test gives each worker whole files in this order, and a long
+    file started last would keep one worker busy long after the other ran out of work."""
+    seconds: dict[object, float] = {}
+    for item in items:
+        marker = item.get_closest_marker("long_running")
+        if marker is not None:
+            seconds[item.path] = max(seconds.get(item.path, 0.0), marker.kwargs["seconds"])
+    items.sort(key=lambda item: -seconds.get(item.path, 0.0))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def glm_tokenizer() -> ModelTokenizer:
     return ModelTokenizer.load(GLM5_TOKENIZER)

@@ -16,6 +16,8 @@ import pytest
 from loadtests.engine.harness import RunningEngine
 from tests.emulator.helpers import VERSIONS, Reenactment, post, post_pd, start_engines, stop_all
 
+pytestmark = pytest.mark.long_running(seconds=36)
+
 PROBE = ("{#- vision: keeps SGLang's openai content format -#}\n"
          "messages={{ messages | tojson }}\n"
          "tools={{ tools | tojson }}\n"

@@ -19,6 +19,8 @@ from gateway.admission.counting import TokenCounter, UnencodableText
 from gateway.admission.parallel_count import EncodeFailed, encode_lengths
 from gateway.admission.tokenizer import ModelTokenizer
 
+pytestmark = pytest.mark.long_running(seconds=22)
+
 MAX_LAG_S = 0.15
 CHARS = 1_000_000
 IDEOGRAPHS = "".join(chr(0x4E00 + i * 7919 % 20_000) for i in range(4096))

@@ -21,6 +21,8 @@ from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import inject, wait_for
 from tests.gateway_harness import model_entry, running_gateway, write_config
 
+pytestmark = pytest.mark.long_running(seconds=28)
+
 MARKER = "ZEBRA-7731-SECRET"
 PREFILL_TOKENS_PER_S = 20_000  # the emulated prefill's real speed
 CEILING = 50_000  # what the operator states: no prefill of this model is faster

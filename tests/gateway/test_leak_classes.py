@@ -19,6 +19,8 @@ from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import generation_records, inject, reset, wait_for
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
 
+pytestmark = pytest.mark.long_running(seconds=18)
+
 LIMIT = 4089
 MARKER = "VICTIM-MARKER-7f3a"
 # A template that renders far more than the limit whatever the messages (the smuggling attack of class 1).

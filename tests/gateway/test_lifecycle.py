@@ -16,6 +16,8 @@ from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import generation_records, inject, records, reset, wait_for
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
 
+pytestmark = pytest.mark.long_running(seconds=14)
+
 PREFILL_TOKENS_PER_S = 2000  # a 2,000-token prompt takes ~1 s of prefill
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from loadtests.soak import run
 
+pytestmark = pytest.mark.long_running(seconds=40)
+
 
 @pytest.mark.timeout(240)
 def test_a_short_soak_with_faults_and_disconnects_passes_its_assertions(capsys: pytest.CaptureFixture[str]) -> None:

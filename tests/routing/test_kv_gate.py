@@ -17,6 +17,8 @@ from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import generation_records, wait_for
 from tests.gateway_harness import ROOT, free_port, model_entry, running_gateway, write_config
 
+pytestmark = pytest.mark.long_running(seconds=23)
+
 
 def _kvgate(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gateway.cli", *args], cwd=ROOT, capture_output=True, text=True,

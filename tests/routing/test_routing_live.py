@@ -17,6 +17,8 @@ from routing.policies.affinity import SessionAffinity
 from tests.engine_records import generation_records, inject, reset, wait_for
 from tests.gateway_harness import RunningGateway, Trio, model_entry, running_gateway, start_trio, write_config
 
+pytestmark = pytest.mark.long_running(seconds=16)
+
 CHAT = {"model": "glm-5", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
 
 
