@@ -308,8 +308,7 @@ class PDExchange:
     async def _dispatch(self) -> None:
         tried: set[Worker] = set()
         while True:
-            links = await asyncio.gather(self.engines.connect(self.pair.prefill),
-                                         self.engines.connect(self.pair.decode), return_exceptions=True)
+            links = await self._connect_pair()
             failed = [(worker, link) for worker, link in zip((self.pair.prefill, self.pair.decode), links)
                       if isinstance(link, BaseException)]
             if not failed:
@@ -339,6 +338,19 @@ class PDExchange:
         self._sent = True
         self._prefill_task = self._spawn(self._run_prefill(prefill_link, prefill_body, prefill_count))
         self._decode_task = self._spawn(self._run_decode(decode_link, decode_body, decode_count))
+
+    async def _connect_pair(self) -> list[EngineLink | BaseException]:
+        """Both halves at once. Cancelled meanwhile (a timeout, an operator's abort, shutdown while one half is
+        still connecting), a half that did connect goes back to its pool instead of staying checked out for good."""
+        connecting = [asyncio.ensure_future(self.engines.connect(worker))
+                      for worker in (self.pair.prefill, self.pair.decode)]
+        try:
+            return await asyncio.gather(*connecting, return_exceptions=True)
+        except asyncio.CancelledError:
+            for task in connecting:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result().release()
+            raise
 
     def _retry_elsewhere(self, tried: set[Worker]) -> bool:
         """Move to another pair with a fresh rid and room, if retries, the budget and the pool allow."""

@@ -102,14 +102,21 @@ class FakeEngines:
         self.decode = self.halves[decode.url]
         self.abort_delay_s = abort_delay_s
         self._connect_errors: dict[str, EngineError] = {}
+        self._hanging: set[str] = set()
 
     def fail_connect(self, role: str, error: EngineError) -> None:
         """The next connection to that half fails (unreachable, or a restarted engine): nothing is sent on it."""
         self._connect_errors[role] = error
 
+    def hang_connect(self, role: str) -> None:
+        """Connections to that half never complete (an engine that accepts but never answers its identity read)."""
+        self._hanging.add(role)
+
     async def connect(self, worker: Worker) -> FakeLink:
         half = self.halves[worker.url]
         self.log.append(("connect", half.role))
+        if half.role in self._hanging:
+            await asyncio.get_running_loop().create_future()
         error = self._connect_errors.pop(half.role, None)
         if error is not None:
             raise error

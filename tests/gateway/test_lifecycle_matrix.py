@@ -297,6 +297,21 @@ def test_a_half_that_cannot_be_connected_fails_the_request_before_either_half_is
     _run(scenario)
 
 
+@pytest.mark.parametrize("hung", ["prefill", "decode"])
+def test_a_half_still_connecting_at_the_timeout_leaves_the_other_halfs_connection_in_its_pool(hung: str) -> None:
+    async def scenario() -> None:
+        run = Run()
+        run.engines.hang_connect(hung)
+        run.exchange.start()
+        log = await run.finished()  # the prefill timeout (0.3 s) ends it while one half is still connecting
+        events = run.relayed()
+        assert len(events) == 1 and isinstance(events[0], Failure) and events[0].error.code == "prefill_timeout"
+        other = "decode" if hung == "prefill" else "prefill"
+        assert ("released unused", other) in log  # not checked out for good
+        assert not any(kind in ("request", "abort") for kind, _ in log)
+    _run(scenario)
+
+
 # ── what the hostile review found ────────────────────────────────────────────────────────────────────────────
 def test_a_count_admitted_under_an_old_limit_is_refused_at_dispatch_before_either_half_is_sent() -> None:
     async def scenario() -> None:
