@@ -19,10 +19,12 @@ class GatewayError(Exception):
         type: str | None = None,
         code: str | None = None,
         param: str | None = None,
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.detail = detail  # what the operator's log gets beyond the message (worker addresses, an engine's words)
         self.type = type or _default_type(status)
         self.code = code
         self.param = param
@@ -31,7 +33,8 @@ class GatewayError(Exception):
 
     def __reduce__(self) -> tuple[object, ...]:
         # Picklable (it crosses from the admission worker process): rebuilt from its fields, not from `args`.
-        return (_rebuild, (type(self), self.status, self.message, self.type, self.code, self.param, self.model))
+        return (_rebuild, (type(self), self.status, self.message, self.type, self.code, self.param, self.model,
+                           self.detail))
 
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -45,9 +48,9 @@ class GatewayError(Exception):
 
 
 def _rebuild(cls: type[GatewayError], status: int, message: str, type: str, code: str | None,
-             param: str | None, model: str | None = None) -> GatewayError:
+             param: str | None, model: str | None = None, detail: str | None = None) -> GatewayError:
     error = Exception.__new__(cls)
-    GatewayError.__init__(error, status, message, type=type, code=code, param=param)
+    GatewayError.__init__(error, status, message, type=type, code=code, param=param, detail=detail)
     error.model = model
     return error
 

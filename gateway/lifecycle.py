@@ -197,31 +197,36 @@ class ExchangeRegistry:
 
 def map_engine_error(error: EngineError) -> GatewayError:
     """Engine failures → client statuses: 400 stays 400 (413 for a length rejection), a changed worker 503, other
-    rejections, broken or unreachable connections 502, timeouts 504. Never 200."""
+    rejections, broken or unreachable connections 502, timeouts 504. Never 200. The client reads the role, not the
+    worker's address; the whole message goes to the access log."""
     role = error.role
     match error:
         case EngineTimeout():
-            return GatewayError(504, str(error), code=f"{role}_timeout")
+            status, code = 504, f"{role}_timeout"
         case EngineChanged():
-            return GatewayError(503, str(error), code="worker_changed")
+            status, code = 503, "worker_changed"
         case EngineRejected(length_rejection=True):
-            return GatewayError(413, str(error), code="context_length_exceeded")
+            status, code = 413, "context_length_exceeded"
         case EngineRejected(status=400):
-            return GatewayError(400, str(error), code=f"{role}_bad_request")
+            status, code = 400, f"{role}_bad_request"
         case EngineRejected(status=429):
-            return GatewayError(503, str(error), code=f"{role}_overloaded")
+            status, code = 503, f"{role}_overloaded"
         case _:
-            return GatewayError(502, str(error), code=f"{role}_failed")
+            status, code = 502, f"{role}_failed"
+    return GatewayError(status, error.public_message, code=code, detail=str(error))
 
 
-def _connect_failure(error: EngineError) -> GatewayError:
+def _connect_failure(error: EngineError, *also: EngineError) -> GatewayError:
     """Nothing was sent to either engine. One too busy to take or confirm a connection in time is overloaded: 503 with
-    Retry-After (the client may simply retry), not a timeout of its request."""
+    Retry-After (the client may simply retry), not a timeout of its request. The client hears of the first half's
+    failure; the log gets both."""
     if isinstance(error, EngineTimeout):
-        busy = GatewayError(503, f"{error}; nothing was sent, retry", code=f"{error.role}_busy")
-        busy.retry_after_s = 1
-        return busy
-    return map_engine_error(error)
+        answer = GatewayError(503, f"{error.public_message}; nothing was sent, retry", code=f"{error.role}_busy")
+        answer.retry_after_s = 1
+    else:
+        answer = map_engine_error(error)
+    answer.detail = "; ".join(str(each) for each in (error, *also))
+    return answer
 
 
 class PDExchange:
@@ -324,7 +329,7 @@ class PDExchange:
                 tried.add(worker)
             # Nothing was sent to either engine: another pair may serve the request.
             if not self._retry_elsewhere(tried):
-                self.fail(_connect_failure(failed[0][1]))  # type: ignore[arg-type]
+                self.fail(_connect_failure(*(error for _, error in failed)))  # type: ignore[arg-type]
                 return
         prefill_link, decode_link = self._links = links  # type: ignore[assignment]
         try:
@@ -402,8 +407,8 @@ class PDExchange:
             identity = worker.verified
             counted = admitted.prompt_tokens_for(identity.version) if identity is not None else None
             if identity is None or counted is None:
-                raise GatewayError(503, f"{worker.role} worker {worker.url} changed while the request was admitted",
-                                   code="worker_changed")
+                raise GatewayError(503, f"the {worker.role} engine changed while the request was admitted",
+                                   code="worker_changed", detail=f"{worker.role} worker {worker.url}")
             if counted >= identity.max_req_input_len:
                 limit = identity.max_req_input_len - 1
                 raise GatewayError(413, f"This model's maximum context length is {limit} tokens for the prompt. "
@@ -628,7 +633,7 @@ class PDExchange:
                   "gateway_count=%s", self.rid, self.admitted.model, self.pair.prefill.url, self.pair.decode.url,
                   role, reported, expected)
         raise PromptCountMismatch(
-            f"{role} worker {worker.url} reported {reported} prompt tokens where the gateway counted "
+            f"the {role} engine reported {reported} prompt tokens where the gateway counted "
             f"{expected}; the request was cancelled before any output was released")
 
     # ── prefill half ────────────────────────────────────────────────────────────────────────────────────────

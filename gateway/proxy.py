@@ -176,7 +176,8 @@ class GenerateEndpoint:
         except NoWorkerAvailable as exc:
             gateway.queue_end(request_id, dispatched=False)
             tenant_pass.release()
-            await self._refuse(send, record, GatewayError(503, str(exc), code="no_worker_available"))
+            await self._refuse(send, record, GatewayError(503, exc.public_message, code="no_worker_available",
+                                                          detail=str(exc)))
             return None
         except PoolSaturated as exc:
             gateway.queue_end(request_id, dispatched=False)
@@ -193,7 +194,7 @@ class GenerateEndpoint:
             refusal = GatewayError(503, "the request was aborted by an operator", code="aborted_by_operator")
         elif model.refusal is not None:  # disabled (or refused by the gate) while it waited in the queue
             refusal = GatewayError(503, f"model {model.name!r} is not served: {model.refusal}",
-                                   code="model_unavailable")
+                                   code="model_unavailable", detail=model.unavailable)
         if refusal is not None:
             lease.release()
             tenant_pass.release()

@@ -61,8 +61,10 @@ class ServedModel:
     spec: ModelSpec
     admission: Admission
     pool: ModelPool
-    # Set when the KV-pool gate refuses the model: it then answers 503 with this reason.
+    # Set when the KV-pool gate refuses the model: it then answers 503. The reason worker by worker (for /readyz and
+    # the log), and what a client reads (what is wrong, not the workers' addresses).
     unavailable: str | None = None
+    unavailable_publicly: str | None = None
     # A model refused at startup stays refused until every one of its workers passes again.
     refused_at_startup: bool = False
     disabled: bool = False  # the fleet-wide kill switch: an operator turned the model off (503)
@@ -73,7 +75,7 @@ class ServedModel:
         """Why requests for the model get 503 now, or None while it is served."""
         if self.disabled:
             return "the model is disabled by an operator (fleet-wide kill switch)"
-        return self.unavailable
+        return self.unavailable_publicly
 
     @property
     def name(self) -> str:
@@ -571,10 +573,11 @@ class Gateway:
             model.refused_at_startup = False
         if model.refused_at_startup:
             model.unavailable = "refused by the KV-pool gate: " + _why(judgement)
+            model.unavailable_publicly = "refused by the KV-pool gate: " + _public_why(judgement)
         elif not judgement.passes:
-            model.unavailable = _why(judgement)
+            model.unavailable, model.unavailable_publicly = _why(judgement), _public_why(judgement)
         else:
-            model.unavailable = None
+            model.unavailable = model.unavailable_publicly = None
         metrics = self.metrics
         metrics.model_configured_limit.labels(model.name).set(judgement.configured_limit)
         metrics.model_effective_limit.labels(model.name).set(model.admission.limits.prompt_tokens)
@@ -585,6 +588,18 @@ class Gateway:
 
 
 def _why(judgement: ModelJudgement) -> str:
-    """A judgement's reasons with each failing worker's problems, for 503 answers and /readyz."""
+    """A judgement's reasons with each failing worker's problems, for /readyz and the log."""
     workers = [f"{v.worker.role} {v.worker.url}: {'; '.join(v.problems)}" for v in judgement.workers if v.problems]
     return " | ".join([*judgement.reasons, *workers]) or "see kvgate preflight"
+
+
+def _public_why(judgement: ModelJudgement) -> str:
+    """What is wrong, for a client's 503: how many workers fail and how, never which addresses."""
+    short = sum(1 for v in judgement.workers if v.pool_mismatch)
+    other = sum(1 for v in judgement.workers if v.problems and not v.pool_mismatch)
+    parts = [reason for reason in judgement.reasons if reason.startswith("no usable")]
+    if short:
+        parts.append(f"{short} worker(s) have a KV pool below the model's advertised limit")
+    if other:
+        parts.append(f"{other} worker(s) fail the gate's other checks")
+    return "; ".join(parts) or "its workers are not verified yet"

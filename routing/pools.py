@@ -47,7 +47,12 @@ class Lease:
 
 
 class NoWorkerAvailable(Exception):
-    """No worker of a role is in rotation; the message says which and why."""
+    """No worker of a role is in rotation. The message says which and why, worker by worker (for the log);
+    `public_message` only which role (for the client, who has no use for the workers' addresses)."""
+
+    def __init__(self, role: str, model: str, why: str) -> None:
+        super().__init__(f"no usable {role} worker for model {model!r} ({why})")
+        self.public_message = f"no usable {role} worker for model {model!r}"
 
 
 class PoolSaturated(Exception):
@@ -179,7 +184,7 @@ class ModelPool:
         for role, workers in (("prefill", self.prefill), ("decode", self.decode)):
             in_rotation = [w for w in workers if w.usable and w not in exclude]
             if not in_rotation:
-                raise NoWorkerAvailable(f"no usable {role} worker for model {self.name!r} ({_why(workers, exclude)})")
+                raise NoWorkerAvailable(role, self.name, _why(workers, exclude))
             found.append(in_rotation)
         return found[0], found[1]
 

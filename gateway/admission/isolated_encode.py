@@ -9,6 +9,7 @@ Started on first use, it counts one text at a time.
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import struct
@@ -23,6 +24,7 @@ from gateway.admission.gil import YIELD_CHARS, pace
 from gateway.admission.parallel_count import EncodeFailed, encode_lengths
 from gateway.admission.tokenizer import ModelTokenizer
 
+log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">q")
 _MEMORY_SHARE = 0.5  # of physical memory, the helper's address-space cap: it fails alone rather than starve us
 
@@ -53,7 +55,8 @@ class IsolatedCounter:
                 raise EncodeFailed(str(exc)) from exc
             except OSError as exc:  # the helper died (out of memory?)
                 self._stop()
-                raise EncodeFailed(f"the tokenizer process failed ({exc})") from exc
+                log.warning("the tokenizer helper process failed: %s", exc)  # a path, an errno: not the client's
+                raise EncodeFailed("the tokenizer process failed") from exc
 
     def __enter__(self) -> IsolatedCounter:
         return self

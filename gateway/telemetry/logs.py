@@ -32,8 +32,14 @@ class _TextAccess(logging.Formatter):
         text = super().format(record)
         access = getattr(record, "access", None)
         if isinstance(access, dict):
-            text += " " + " ".join(f"{key}={value}" for key, value in access.items())
+            text += " " + " ".join(f"{key}={_text_value(value)}" for key, value in access.items())
         return text
+
+
+def _text_value(value: object) -> str:
+    """As is, or JSON-quoted when it could blur the line (an error message), so it still splits into key=value."""
+    text = str(value)
+    return orjson.dumps(text).decode() if any(c in text for c in ' "=\n\r') else text
 
 
 class _KvgateHandler(logging.StreamHandler):  # type: ignore[type-arg]

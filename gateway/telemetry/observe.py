@@ -81,4 +81,7 @@ def _access_fields(record: RequestRecord, model: str, status: int) -> dict[str, 
                       decode=exchange.pair.decode.url, outcome=exchange.outcome, retries=exchange.retries_made)
         if exchange.first_token_at is not None:
             fields["ttft_ms"] = round((exchange.first_token_at - exchange.started_at) * 1000, 1)
+    failure = exchange.failure.error if exchange is not None and exchange.failure is not None else record.refused
+    if failure is not None and failure.status >= 500:  # the whole story, worker addresses included, for the operator
+        fields["error"] = failure.detail or failure.message
     return fields

@@ -78,7 +78,8 @@ class EngineLink:
         try:
             response = await self._pool.send_on(self._connection, b"POST", path, body, (*_JSON, *headers))
         except HttpError as exc:
-            raise EngineBroken(role, f"{role} worker {self.worker.url} connection broke: {exc}") from exc
+            raise EngineBroken(role, f"{role} worker {self.worker.url} connection broke: {exc}",
+                               worker_url=self.worker.url) from exc
         if response.status >= 300:
             raise await _rejection(role, self.worker.url, response)
         return EngineResponse(role, response)
@@ -110,9 +111,10 @@ class EngineClient:
             return EngineLink(worker, pool, await pool.acquire())
         except ConnectFailed as exc:
             worker.mark_unreachable(f"connection failed: {exc}")
-            raise EngineUnreachable(role, f"{role} worker {worker.url} unreachable: {exc}") from exc
+            raise EngineUnreachable(role, f"{role} worker {worker.url} unreachable: {exc}",
+                                    worker_url=worker.url) from exc
         except HttpError as exc:
-            raise EngineUnreachable(role, f"{role} worker {worker.url}: {exc}") from exc
+            raise EngineUnreachable(role, f"{role} worker {worker.url}: {exc}", worker_url=worker.url) from exc
 
     async def generate(self, worker: Worker, path: str, body: Body) -> EngineResponse:
         """Connect and send in one step (the lifecycle connects both halves first)."""
@@ -183,16 +185,17 @@ class EngineClient:
             identity = parse_identity(orjson.loads(body)) if status < 300 else None
         except TimeoutError as exc:
             raise EngineTimeout(role, f"{role} worker {worker.url} did not confirm its identity within "
-                                      f"{self._verify_timeout_s:g}s") from exc
+                                      f"{self._verify_timeout_s:g}s", worker_url=worker.url) from exc
         except HttpError as exc:
-            raise EngineUnreachable(role, f"{role} worker {worker.url}: identity check failed: {exc}") from exc
+            raise EngineUnreachable(role, f"{role} worker {worker.url}: identity check failed: {exc}",
+                                    worker_url=worker.url) from exc
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             identity = None
         if expected is None or identity != expected:
             reason = ("a new connection found an engine that is not the verified one "
                       f"(now {identity}, verified {expected}); awaiting re-verification")
             worker.mark_changed(reason)
-            raise EngineChanged(role, f"{role} worker {worker.url} changed: {reason}")
+            raise EngineChanged(role, f"{role} worker {worker.url} changed: {reason}", worker_url=worker.url)
 
 
 async def _rejection(role: Role, url: str, response: Response) -> EngineError:
@@ -203,7 +206,7 @@ async def _rejection(role: Role, url: str, response: Response) -> EngineError:
     finally:
         response.close()
     return EngineRejected(role, f"{role} worker {url} answered {response.status}: {detail}", status=response.status,
-                          detail=detail)
+                          detail=detail, worker_url=url)
 
 
 def error_message(body: bytes) -> str:

@@ -4,6 +4,8 @@ a failure of either half cancels the other at once, and no failure becomes an HT
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ import httpx
 import orjson
 import pytest
 
+from gateway.telemetry.logs import JsonLines
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import generation_records, inject, records, reset, wait_for
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
@@ -100,6 +103,36 @@ def test_prefill_500_aborts_decode_within_a_second_and_client_gets_502(
     decode = wait_for(lambda: [r for r in generation_records(pair.decode) if r["outcome"]], timeout_s=3)
     assert decode and decode[0]["outcome"] in ("aborted", "client_disconnected")
     assert decode[0]["end"] - decode[0]["arrival"] < 1.0
+
+
+def test_a_client_reads_which_half_failed_and_the_operator_reads_where(gateway: RunningGateway,
+                                                                       pair: EnginePair) -> None:
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Collect()
+    handler.setFormatter(JsonLines())
+    access = logging.getLogger("kvgate.access")
+    access.addHandler(handler)
+    level = access.level
+    access.setLevel(logging.INFO)
+    try:
+        inject(pair.prefill, action="fail", status=500, path="/generate", count=1,
+               message="KVPoll.Failed: bootstrap server 10.3.0.7:8998 unreachable")
+        response = httpx.post(gateway.url + "/generate", timeout=30,
+                              json={"text": "x", "sampling_params": {"max_new_tokens": 4}})
+        wait_for(lambda: lines, timeout_s=3)
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+    assert response.status_code == 502 and response.json()["error"]["code"] == "prefill_failed"
+    address = pair.prefill.url.split("//", 1)[1]
+    assert "prefill" in response.text and address not in response.text and "10.3.0.7" not in response.text
+    entry = json.loads(lines[-1])
+    assert entry["status"] == 502 and address in entry["error"] and "10.3.0.7:8998" in entry["error"]
 
 
 def test_prefill_400_maps_to_400(gateway: RunningGateway, pair: EnginePair) -> None:

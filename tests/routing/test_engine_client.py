@@ -144,9 +144,12 @@ def test_refused_connection_is_unreachable_and_takes_the_worker_out() -> None:
         engine.close()
         await asyncio.sleep(0.05)
         worker, client = _worker(url), _client()
-        with pytest.raises(EngineUnreachable):
+        with pytest.raises(EngineUnreachable) as caught:
             await client.generate(worker, "/generate", (b"{}",))
         assert not worker.usable
+        assert url in caught.value.message  # for the operator's log
+        public = caught.value.public_message  # the socket's own words may name the address ("('127.0.0.1', 1)")
+        assert "127.0.0.1" not in public and public == "the decode engine could not be reached"
         await client.close()
     _run(scenario())
 
@@ -160,6 +163,24 @@ def test_non_2xx_is_a_rejection_with_the_engines_message_and_length_rejections_a
             await client.generate(worker, "/generate", (b"{}",))
         assert caught.value.status == 400 and caught.value.length_rejection
         assert "exceeds the maximum allowed length" in caught.value.message
+        assert "exceeds the maximum allowed length" in caught.value.public_message  # says what to change
+        await client.close()
+        engine.close()
+    _run(scenario())
+
+
+@pytest.mark.parametrize("head", [b"500 Internal Server Error", b"404 Not Found"])
+def test_an_answer_that_is_not_a_rejection_of_the_request_keeps_its_words_for_the_log_only(head: bytes) -> None:
+    async def scenario() -> None:
+        message = b'{"message": "KVPoll.Failed: bootstrap server 10.3.0.7:8998 unreachable"}'  # or a proxy's page
+        engine = Engine(b"HTTP/1.1 %s\r\ncontent-length: %d\r\n\r\n%s" % (head, len(message), message))
+        url = await engine.start()
+        worker, client = _worker(url), _client()
+        with pytest.raises(EngineRejected) as caught:
+            await client.generate(worker, "/generate", (b"{}",))
+        assert url in caught.value.message and "10.3.0.7" in caught.value.message
+        public = caught.value.public_message
+        assert url not in public and "10.3.0.7" not in public and public.endswith(head[:3].decode())
         await client.close()
         engine.close()
     _run(scenario())

@@ -68,8 +68,11 @@ def test_refused_model_answers_503_when_configured_to_start_anyway(small_prefill
     with running_gateway(config) as gateway:
         response = httpx.post(gateway.url + "/generate", json={"text": "hi"}, timeout=10)
         assert response.status_code == 503 and "KV pool" in response.json()["error"]["message"]
+        address = small_prefill.prefill.url.split("//", 1)[1]
+        assert address not in response.text  # a client learns what is wrong, not where the workers are
         ready = httpx.get(gateway.url + "/readyz", timeout=10)
         assert ready.status_code == 503 and "glm-5" in ready.json()["models"]
+        assert address in ready.text  # the operator's probe names the worker
     assert not generation_records(small_prefill.prefill)
 
 

@@ -254,8 +254,11 @@ def test_a_role_with_no_worker_at_all_answers_at_once_even_while_the_other_is_fu
         pool = _pool(PoolLimits(max_inflight_per_worker=1, max_queue=4, queue_timeout_s=5))
         held = pool.pick_pair()
         pool.decode[0].refuse("gone")
-        with pytest.raises(NoWorkerAvailable, match="no usable decode worker"):
+        with pytest.raises(NoWorkerAvailable, match="no usable decode worker") as caught:
             await asyncio.wait_for(pool.acquire_pair(), 1)
+        gone = pool.decode[0].url
+        assert gone in str(caught.value) and "gone" in str(caught.value)  # the log's version: which and why
+        assert gone not in caught.value.public_message and "decode" in caught.value.public_message
         held.release()
 
     asyncio.run(run())
