@@ -18,12 +18,12 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import httptools
-import orjson
 import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig, load_config
+from gateway.errors import GatewayError
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway
@@ -139,12 +139,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                      f"{self.max_header_bytes} bytes)")
 
     def _answer(self, status: int, reason: str, code: str, message: str, *, retry_after_s: int | None = None) -> None:
-        """An error written straight to the socket (no request reached the app), then the connection is closed."""
-        body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                       "code": code}})
+        """An error written straight to the socket (no request reached the app), then the connection is closed. It
+        carries an x-request-id like every other answer (a new one: the head, and any id in it, is unread)."""
+        body = GatewayError(status, message, code=code).json()
         retry = b"retry-after: %d\r\n" % retry_after_s if retry_after_s is not None else b""
-        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n%s"
-                             b"content-length: %d\r\n\r\n%s" % (status, reason.encode(), retry, len(body), body))
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"x-request-id: %s\r\n%scontent-length: %d\r\n\r\n%s"
+                             % (status, reason.encode(), os.urandom(16).hex().encode(), retry, len(body), body))
         self.transport.close()
 
 

@@ -206,6 +206,7 @@ def tight_gateway(pair: EnginePair, tmp_path_factory: pytest.TempPathFactory) ->
 def test_header_floods_get_431_before_they_are_buffered(tight_gateway: RunningGateway, headers: dict[str, str]) -> None:
     response = httpx.get(tight_gateway.url + "/healthz", headers=headers, timeout=10)
     assert response.status_code == 431 and response.json()["error"]["code"] == "headers_too_large"
+    assert len(response.headers["x-request-id"]) == 32  # answered below the app, and still traceable
     assert httpx.get(tight_gateway.url + "/healthz", timeout=10).status_code == 200
 
 
@@ -216,7 +217,9 @@ def test_connections_beyond_max_connections_get_503(tight_gateway: RunningGatewa
         time.sleep(0.2)
         refused = httpx.get(tight_gateway.url + "/healthz", timeout=10)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-        assert refused.json()["error"]["code"] == "overloaded"
+        assert refused.json()["error"] == {"message": "the gateway is at its limit of 4 open connections",
+                                           "type": "service_unavailable", "param": None, "code": "overloaded"}
+        assert len(refused.headers["x-request-id"]) == 32
     finally:
         for sock in idle:
             sock.close()
