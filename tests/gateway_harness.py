@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from gateway.app import create_app
 from gateway.config import load_config
 from gateway.runtime import Gateway
 from gateway.server import uvicorn_config
+from gateway.telemetry.logs import JsonLines
 from loadtests.engine.harness import RunningEngine, free_port, start_engine, start_pair
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,3 +157,25 @@ def start_trio(**options: Any) -> Trio:
         pair.stop()
         raise
     return Trio(pair.prefill, [pair.decode, second])
+
+
+@contextmanager
+def access_log_lines() -> Iterator[list[str]]:
+    """The access log's lines (JSON) while the block runs, from any gateway in this process."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Collect()
+    handler.setFormatter(JsonLines())
+    access = logging.getLogger("kvgate.access")
+    level = access.level
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)

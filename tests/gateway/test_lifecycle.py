@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -14,10 +13,9 @@ import httpx
 import orjson
 import pytest
 
-from gateway.telemetry.logs import JsonLines
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import generation_records, inject, records, reset, wait_for
-from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
+from tests.gateway_harness import RunningGateway, access_log_lines, model_entry, running_gateway, write_config
 
 pytestmark = pytest.mark.long_running(seconds=14)
 
@@ -107,27 +105,12 @@ def test_prefill_500_aborts_decode_within_a_second_and_client_gets_502(
 
 def test_a_client_reads_which_half_failed_and_the_operator_reads_where(gateway: RunningGateway,
                                                                        pair: EnginePair) -> None:
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(self.format(record))
-
-    handler = Collect()
-    handler.setFormatter(JsonLines())
-    access = logging.getLogger("kvgate.access")
-    access.addHandler(handler)
-    level = access.level
-    access.setLevel(logging.INFO)
-    try:
+    with access_log_lines() as lines:
         inject(pair.prefill, action="fail", status=500, path="/generate", count=1,
                message="KVPoll.Failed: bootstrap server 10.3.0.7:8998 unreachable")
         response = httpx.post(gateway.url + "/generate", timeout=30,
                               json={"text": "x", "sampling_params": {"max_new_tokens": 4}})
         wait_for(lambda: lines, timeout_s=3)
-    finally:
-        access.removeHandler(handler)
-        access.setLevel(level)
     assert response.status_code == 502 and response.json()["error"]["code"] == "prefill_failed"
     address = pair.prefill.url.split("//", 1)[1]
     assert "prefill" in response.text and address not in response.text and "10.3.0.7" not in response.text

@@ -20,7 +20,7 @@ from gateway.config import LoggingConfig
 from gateway.telemetry.logs import JsonLines, configure_logging
 from loadtests.engine.harness import EnginePair
 from tests.engine_records import inject, reset, wait_for
-from tests.gateway_harness import model_entry, running_gateway, write_config
+from tests.gateway_harness import access_log_lines, model_entry, running_gateway, write_config
 
 CHAT = {"model": "glm-5", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
 LONG = {**CHAT, "messages": [{"role": "user", "content": "word " * 400}]}
@@ -94,27 +94,14 @@ def test_a_scripted_mix_shows_exact_counts(glm_pair: EnginePair, tmp_path: Path)
 
 
 def test_the_access_log_is_one_json_line_per_request_without_prompt_text(glm_pair: EnginePair, tmp_path: Path) -> None:
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(self.format(record))
-
-    handler = Collect()
-    handler.setFormatter(JsonLines())
-    access = logging.getLogger("kvgate.access")
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
     secret = "the launch code is swordfish " * 60
-    try:
-        config = write_config(tmp_path, [model_entry("glm-5", [glm_pair.prefill], [glm_pair.decode],
-                                                     max_prompt_tokens=200)])
-        with running_gateway(config) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
-            assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
-            too_long = {**CHAT, "messages": [{"role": "user", "content": secret}]}
-            assert client.post("/v1/chat/completions", json=too_long).status_code == 413
-    finally:
-        access.removeHandler(handler)
+    config = write_config(tmp_path, [model_entry("glm-5", [glm_pair.prefill], [glm_pair.decode],
+                                                 max_prompt_tokens=200)])
+    with access_log_lines() as lines, running_gateway(config) as gateway, \
+            httpx.Client(base_url=gateway.url, timeout=30) as client:
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+        too_long = {**CHAT, "messages": [{"role": "user", "content": secret}]}
+        assert client.post("/v1/chat/completions", json=too_long).status_code == 413
     entries = [json.loads(line) for line in lines]
     assert [(e["status"], e["model"]) for e in entries] == [(200, "glm-5"), (413, "glm-5")]
     ok, refused = entries
