@@ -277,7 +277,8 @@ class PDExchange:
         self._prefill_ok = False
         self._prefill_settled = asyncio.Event()  # prefill's fate is known: it answered, or never got the request
         self._decode_counted = False
-        self._decode_finished = False
+        self._decode_said_done = False  # decode sent [DONE]; nothing may follow it
+        self._decode_finished = False  # decode's stream ended after [DONE] and passed every end-of-stream check
         self._done = False
         self._rooms = rooms
         self._registry = registry
@@ -572,8 +573,7 @@ class PDExchange:
         strict = self._plausibility is not None and self._plausibility.strict
         waits_for_prefill = self._release_verified or self.admitted.merge_logprobs or strict
         if not self._released and (not waits_for_prefill
-                                   or (self._prefill_ok and (self._decode_counted or self._decode_finished
-                                                             or not self._release_verified))):
+                                   or (self._prefill_ok and (self._decode_counted or not self._release_verified))):
             self._released = True
             for payload in self._held:
                 self.events.put_nowait(self._merged(payload))
@@ -682,8 +682,10 @@ class PDExchange:
             async for data in response.events():
                 if self._watchdog is not None:
                     self._watchdog.touch()
+                if self._decode_said_done:
+                    raise EngineBroken("decode", "decode sent an event after [DONE]")
                 if data == b"[DONE]":
-                    self._decode_finished = True
+                    self._decode_said_done = True
                     continue
                 first = self.first_token_at is None
                 if first:
@@ -704,10 +706,12 @@ class PDExchange:
                     self._watchdog.resume()
             if self.first_token_at is None:
                 raise EngineBroken("decode", "decode stream ended before its first token")
-            if not self._decode_finished:
+            if not self._decode_said_done:
                 raise EngineBroken("decode", "decode stream ended without [DONE]")
             if self._release_verified and not self._decode_counted:
                 raise EngineBroken("decode", "decode never reported its prompt token count")
+            # Only now is the answer whole and checked: the relay's Done (its 200's end) waits for this.
+            self._decode_finished = True
             self._judge(worker, None)
             self._maybe_release()
         except PromptCountMismatch as exc:
@@ -734,11 +738,17 @@ class PDExchange:
                 self._spawn(self._abort(worker))
 
     def _on_decode_event(self, data: bytes, worker: Worker, expected: int) -> None:
+        try:
+            event = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise EngineBroken("decode", "decode sent an event that is not JSON") from None
+        if not isinstance(event, dict):  # a batch's list, a bare value: not an answer to this one request
+            raise EngineBroken("decode", "decode sent an event that is not a JSON object")
         if b'"error"' in data or b'"abort"' in data:
             _parse_result("decode", data)
-        # Every count decode reports is checked, not only the first (a cheap search: no parse per event).
-        match = _PROMPT_TOKENS.search(data)
-        if match is not None:
+        # Every count decode reports is checked, each place it states one (a key: inside a JSON string the quotes
+        # are escaped, so generated text cannot pose as one).
+        for match in _PROMPT_TOKENS.finditer(data):
             self._verify_count("decode", worker, int(match[1]), expected)
             self._decode_counted = True
         self.output_events += 1

@@ -105,6 +105,8 @@ class Admission:
         counts = {dialect: result.tokens for dialect, result in results.items()}
         max_new = self._output_tokens(request, worst.tokens)
         fields = dict(request.fields)
+        if "token_ids_logprob" in fields:  # ids the engine indexes its logits with: inside the vocabulary
+            self._check_ids(fields["token_ids_logprob"], param="token_ids_logprob")
         if request.route == "/generate":
             fields["sampling_params"] = {**fields["sampling_params"], "max_new_tokens": max_new}
         else:
@@ -237,11 +239,11 @@ class Admission:
         ids = self.tokenizer.tokenizer.encode_batch_fast([text], add_special_tokens=True)[0].ids
         return ids[0] if ids else None
 
-    def _check_ids(self, ids: list[Any]) -> None:
+    def _check_ids(self, ids: list[Any], *, param: str | None = None) -> None:
         vocab = self._vocab_size
         for token in ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
-                raise bad_request(f"token ids must be integers in [0, {vocab}); got {token!r}")
+                raise bad_request(f"token ids must be integers in [0, {vocab}); got {token!r}", param=param)
 
 
 def _prompt_noun(request: ClientRequest) -> str:

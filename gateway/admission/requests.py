@@ -41,6 +41,10 @@ _REFUSED_FIELDS = ("lora_path", "session_params", "custom_logit_processor", "cus
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # Above this a client's token count is absurd for any model; checked before the model's own, tighter limit.
 MAX_TOKENS_CEILING = 1 << 31
+# Logprobs an engine computes and sends for every output token: bounded, as OpenAI bounds top_logprobs (20), with
+# room for /generate's research uses.
+MAX_TOP_LOGPROBS = 256
+MAX_TOKEN_IDS_LOGPROB = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +185,7 @@ def _parse_completion(data: dict[str, Any]) -> ClientRequest:
 
 def _parse_generate(data: dict[str, Any]) -> ClientRequest:
     fields = _allowed(data, _GENERATE_FIELDS)
+    _check_logprob_fields(fields)
     text, ids = data.get("text"), data.get("input_ids")
     if (text is None) == (ids is None):
         raise bad_request("exactly one of text or input_ids is required", param="text")
@@ -209,6 +214,26 @@ def _parse_generate(data: dict[str, Any]) -> ClientRequest:
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", param="model")
     return ClientRequest("/generate", model, _stream(data), fields, prompt, max_tokens, UsageOptions())
+
+
+def _check_logprob_fields(fields: dict[str, Any]) -> None:
+    """Exactly the types SGLang's GenerateReqInput declares. Its pydantic model would coerce `1` or `"yes"` to
+    true, while kvgate (which merges prefill's prompt logprobs when `return_logprob` is true) would read them as
+    false: the answer would silently differ from what was asked, so they are refused instead."""
+    for key in ("return_logprob", "return_text_in_logprobs"):
+        if key in fields and not isinstance(fields[key], bool):
+            raise bad_request(f"{key} must be a boolean", param=key)
+    start = fields.get("logprob_start_len")
+    if start is not None and (not _is_int(start) or start < -1):
+        raise bad_request("logprob_start_len must be an integer ≥ -1", param="logprob_start_len")
+    top = fields.get("top_logprobs_num")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise bad_request(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
+    ids = fields.get("token_ids_logprob")
+    if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_TOKEN_IDS_LOGPROB
+                            or not all(_is_int(token) for token in ids)):
+        raise bad_request(f"token_ids_logprob must be an array of at most {MAX_TOKEN_IDS_LOGPROB} token ids "
+                          "(batches are not supported)", param="token_ids_logprob")
 
 
 def _allowed(data: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:

@@ -137,15 +137,23 @@ def test_decode_dropping_mid_stream_ends_the_client_stream_with_an_error_and_no_
     assert not any(e == "data: [DONE]" for e in events)
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"model": "glm-5", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 6}}),
+])
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_corrupt_decode_chunk_is_never_answered_200_even_when_it_comes_with_the_end(
-        gateway: RunningGateway, pair: EnginePair) -> None:
+        gateway: RunningGateway, pair: EnginePair, path: str, body: dict, stream: bool) -> None:
     """The corrupt event comes right before [DONE]: held events and the end are often released in one step, and the
-    failure must still win over the 200."""
-    for _ in range(4):
-        inject(pair.decode, action="bad_chunk", path="/v1/chat/completions", count=1)
-        response = httpx.post(gateway.url + "/v1/chat/completions", timeout=30, json={
-            "model": "glm-5", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]})
-        assert response.status_code == 502 and response.json()["error"]["code"] == "decode_failed"
+    failure must still win over the 200 (a stream already started ends with an error event and no [DONE])."""
+    for _ in range(2):
+        inject(pair.decode, action="bad_chunk", path=path, count=1)
+        response = httpx.post(gateway.url + path, timeout=30, json={**body, "stream": stream})
+        assert b"[DONE]" not in response.content
+        if response.headers["content-type"].startswith("text/event-stream"):
+            assert response.status_code == 200 and b'"code":"decode_failed"' in response.content
+        else:
+            assert response.status_code == 502 and response.json()["error"]["code"] == "decode_failed"
 
 
 def test_decode_failure_before_first_token_keeps_its_status(gateway: RunningGateway, pair: EnginePair) -> None:

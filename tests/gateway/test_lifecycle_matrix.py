@@ -330,6 +330,9 @@ def test_a_count_admitted_under_an_old_limit_is_refused_at_dispatch_before_eithe
     ([b"[DONE]"], "no first token"),
     ([orjson.dumps({"text": "x", "meta_info": {"finish_reason": None}}), b"[DONE]"], "no count at all"),
     ([_event(), _event(tokens=COUNT + 5000), b"[DONE]"], "a later count that differs"),
+    ([_event(), b"[DONE]", _event(tokens=COUNT + 5000)], "a differing count after [DONE]"),
+    ([_event(), b"[DONE]", _event()], "any event after [DONE]"),
+    ([_event(), b'{"choices": [{"index": 0, "delta"', b"[DONE]"], "an event that is not JSON"),
 ])
 def test_a_decode_stream_that_cannot_be_verified_is_a_failure_not_a_200(events: list[bytes], why: str) -> None:
     async def scenario() -> None:
@@ -342,6 +345,38 @@ def test_a_decode_stream_that_cannot_be_verified_is_a_failure_not_a_200(events: 
         relayed = run.relayed()
         assert not any(isinstance(e, Done) for e in relayed), why
         assert isinstance(relayed[-1], Failure) and relayed[-1].error.status == 502, why
+    _run(scenario)
+
+
+@pytest.mark.parametrize(("events", "why"), [
+    ([orjson.dumps({"text": "x", "meta_info": {"finish_reason": None}}), b"[DONE]"], "no count at all"),
+    ([b"[DONE]"], "no first token"),
+    ([_event(), b"[DONE]", _event(tokens=COUNT + 500)], "an event after [DONE]"),
+    ([_event(), b"[DONE]", b'{"error": {"message": "late", "code": 500}}'], "an error after [DONE]"),
+    ([b'{"choices": [{"index": 0, "delta"'], "an event that is not JSON"),
+    ([orjson.dumps([{"text": "x", "meta_info": {"prompt_tokens": COUNT}}])], "a batch's list"),
+    ([orjson.dumps({"text": "x", "meta_info": {"prompt_tokens": COUNT}, "usage": {"prompt_tokens": COUNT + 9}})],
+     "a second count that differs"),
+])
+def test_prefill_answering_while_decode_is_still_open_releases_nothing_unchecked(events: list[bytes],
+                                                                                 why: str) -> None:
+    """Prefill's answer arrives after decode's events but before decode's stream has ended: the answer is whole
+    and checked only when that stream ends, so no Done (the end of a 200) may be queued before it."""
+    async def scenario() -> None:
+        run = Run()
+        await run.start()
+        run.decode.accept()
+        run.decode.push(*events)
+        await _settle()
+        if run.exchange.failure is None:  # (an event that is wrong on its face fails at once: prefill is cancelled)
+            await run.prefill_answers()
+        relayed = run.relayed()
+        run.decode.push(END)
+        await run.finished()
+        relayed += run.relayed()
+        assert not any(isinstance(e, (Done, bytes)) for e in relayed), why  # not a byte, and no end of a 200
+        assert isinstance(relayed[-1], Failure) and relayed[-1].error.status == 502, why
+        assert run.exchange.outcome in ("decode_failed", "prompt_token_mismatch"), why
     _run(scenario)
 
 

@@ -49,3 +49,12 @@ def test_without_return_logprob_nothing_is_merged(gateway: RunningGateway) -> No
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}}
     meta = httpx.post(gateway.url + "/generate", json=body, timeout=30).json()["meta_info"]
     assert "input_token_logprobs" not in meta
+
+
+def test_token_ids_logprob_outside_the_vocabulary_never_reach_an_engine(gateway: RunningGateway) -> None:
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 4}, "return_logprob": True,
+            "token_ids_logprob": [5, 10**9]}
+    response = httpx.post(gateway.url + "/generate", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "token_ids_logprob"
+    body["token_ids_logprob"] = [5, 6]
+    assert httpx.post(gateway.url + "/generate", json=body, timeout=30).status_code == 200

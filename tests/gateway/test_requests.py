@@ -112,3 +112,25 @@ def test_tools_with_tool_choice_none_are_not_forwarded() -> None:
             "tools": [{"type": "function", "function": {"name": "f", "description": "d" * 10_000}}]}
     parsed = _parse("/v1/chat/completions", orjson.dumps(body))
     assert "tools" not in parsed.fields and "tool_choice" not in parsed.fields
+
+
+@pytest.mark.parametrize("extra", [
+    {"return_logprob": 1}, {"return_logprob": "true"}, {"return_logprob": [True]},
+    {"return_text_in_logprobs": "yes"}, {"logprob_start_len": 1.0}, {"logprob_start_len": -2},
+    {"top_logprobs_num": True}, {"top_logprobs_num": 10**6}, {"token_ids_logprob": [[1, 2]]},
+    {"token_ids_logprob": ["1"]}, {"token_ids_logprob": list(range(5000))},
+])
+def test_generate_logprob_fields_take_exactly_their_types(extra: dict[str, object]) -> None:
+    """SGLang's pydantic model would read `1` or "yes" as true where kvgate (which merges prefill's prompt logprobs
+    only for a real true) would not: the answer would silently differ from what was asked."""
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4}, **extra}
+    with pytest.raises(GatewayError) as caught:
+        _parse("/generate", orjson.dumps(body))
+    assert caught.value.status == 400 and caught.value.param == next(iter(extra))
+
+
+def test_generate_logprob_fields_of_the_right_types_are_forwarded_as_sent() -> None:
+    extra = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 5, "token_ids_logprob": [1, 2],
+             "return_text_in_logprobs": False}
+    parsed = _parse("/generate", orjson.dumps({"text": "hi", **extra}))
+    assert {key: parsed.fields[key] for key in extra} == extra
