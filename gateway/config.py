@@ -171,6 +171,10 @@ class DeploymentChecksConfig(_Strict):
     transfer_batch_bound: CheckAction = Field("warn", description="Mooncake transfer batches unbounded (prefill)")
     release_timeout: CheckAction = Field("warn", description="decode's release timeout below transfer_timeout_s")
     metrics_enabled: CheckAction = Field("warn", description="engine started without --enable-metrics")
+    engine_chat_rendering: CheckAction = Field("refuse", description="engine renders chats with settings kvgate "
+                                               "does not apply: --default-chat-template-kwargs, "
+                                               "--completion-template, --chat-template unless the model's "
+                                               "chat_template is set")
     require_verified_transfer_settings: bool = Field(False, description="treat unverified (not exposed) as failed")
     require_kv_checksum: bool = Field(False, description="every worker must run with the KV checksum on")
     transfer_timeout_s: float = Field(30.0, gt=0, description="the longest KV transfer you expect (Mooncake's "

@@ -122,7 +122,8 @@ def model_spec(config: ModelConfig) -> ModelSpec:
         decode=tuple(WorkerSpec(w.url, "decode") for w in config.static_workers("decode")),
         limits=PoolLimits(limits.max_inflight_per_worker, limits.max_queue, limits.queue_timeout_s),
         breaker=BreakerSpec(breaker.failure_threshold, breaker.success_threshold, breaker.open_s),
-        checks=CheckPolicy(**config.deployment_checks.model_dump()))
+        checks=CheckPolicy(**config.deployment_checks.model_dump(),
+                           chat_template_configured=config.chat_template is not None))
 
 
 def _plausibility(config: ModelConfig) -> TTFTPlausibility | None:

@@ -50,9 +50,11 @@ class CheckPolicy:
     transfer_batch_bound: Policy = "warn"
     release_timeout: Policy = "warn"
     metrics_enabled: Policy = "warn"
+    engine_chat_rendering: Policy = "refuse"
     require_verified_transfer_settings: bool = False
     require_kv_checksum: bool = False
     transfer_timeout_s: float = 30.0  # the operator's worst-case KV transfer (Mooncake's MC_TRANSFER_TIMEOUT: 30 s)
+    chat_template_configured: bool = False  # the model's own `chat_template` (kvgate renders with that file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +80,31 @@ def check_worker(role: str, identity: EngineIdentity, fleet: Sequence[EngineIden
         _deferred_release(identity, policy),
     ]
     checks.append(_batch_bound(identity, policy) if role == "prefill" else _release_timeout(identity, policy))
+    checks.append(_chat_rendering(identity, policy))
     metrics = identity.settings.metrics_enabled
     checks.append(CheckOutcome("metrics_enabled", "unverified" if metrics is None else "pass" if metrics else "fail",
                                "not reported" if metrics is None else str(metrics).lower(), "true (--enable-metrics)",
                                policy.metrics_enabled))
     return checks
+
+
+def _chat_rendering(identity: EngineIdentity, policy: CheckPolicy) -> CheckOutcome:
+    """kvgate counts the prompt it renders; an engine that renders with settings of its own tokenizes another one
+    (default template kwargs fill what a request leaves unset — GLM's `clear_thinking: false` renders every earlier
+    turn's reasoning, uncounted). An engine-side chat template passes only when the model names its own
+    `chat_template` for kvgate, the operator's statement that both render with the same file."""
+    rendering = identity.rendering
+    found = []
+    if rendering.default_chat_template_kwargs:
+        found.append(f"--default-chat-template-kwargs {rendering.default_chat_template_kwargs}")
+    if rendering.chat_template and not policy.chat_template_configured:
+        found.append(f"--chat-template {rendering.chat_template} (kvgate renders with the tokenizer's own)")
+    if rendering.completion_template:
+        found.append(f"--completion-template {rendering.completion_template}")
+    safe = ("no engine-side rendering settings kvgate does not apply (for --chat-template, the same file as the "
+            "model's chat_template)")
+    return CheckOutcome("engine_chat_rendering", "fail" if found else "pass", "; ".join(found) or "none", safe,
+                        policy.engine_chat_rendering)
 
 
 # ── settings that must agree across the model's workers ─────────────────────────────────────────────────────

@@ -29,7 +29,8 @@ def server_args(cfg: EngineConfig, tokenizer_path: str) -> dict[str, Any]:
     modern = cfg.dialect is not Dialect.V0_5_8
     backend = _RESOLVED_BACKEND.get(cfg.transfer_backend, cfg.transfer_backend) if modern else cfg.transfer_backend
     extra: dict[str, Any] = {"disaggregation_enable_kv_checksum": cfg.enable_kv_checksum,
-                             "disaggregation_decode_allocation_policy": cfg.decode_allocation_policy} if modern else {}
+                             "disaggregation_decode_allocation_policy": cfg.decode_allocation_policy,
+                             "default_chat_template_kwargs": None} if modern else {}
     return {**extra,
         "model_path": cfg.model, "tokenizer_path": tokenizer_path, "served_model_name": cfg.model,
         "host": cfg.host, "port": cfg.port, "context_length": cfg.context_length, "page_size": cfg.page_size,
@@ -40,6 +41,7 @@ def server_args(cfg: EngineConfig, tokenizer_path: str) -> dict[str, Any]:
         "disaggregation_transfer_backend": backend, "disaggregation_decode_tp": None,
         "disaggregation_decode_dp": None, "disaggregation_ib_device": None, "num_reserved_decode_tokens": 512,
         "enable_metrics": cfg.enable_metrics, "skip_tokenizer_init": False, "stream_output": False,
+        "chat_template": cfg.chat_template, "completion_template": None,
     }
 
 

@@ -3,6 +3,7 @@ process as far as admission is concerned. Two readings with equal identities adm
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,17 @@ class TransferSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class RenderingSettings:
+    """How the engine renders chats beyond its tokenizer's own template: a `--chat-template` or
+    `--completion-template` of its own, and `--default-chat-template-kwargs` (0.5.22+; merged under each request's
+    `chat_template_kwargs` in `OpenAIServingChat._process_messages`). None where not set."""
+
+    chat_template: str | None = None
+    completion_template: str | None = None
+    default_chat_template_kwargs: str | None = None  # as JSON, keys sorted
+
+
+@dataclass(frozen=True, slots=True)
 class EngineIdentity:
     pool_tokens: int            # max_total_num_tokens: the KV pool
     max_req_input_len: int      # the scheduler aborts prompts of this length or more
@@ -57,6 +69,7 @@ class EngineIdentity:
     # A decode only schedules a prompt when prompt + max(this, max_new_tokens) fits its pool (prealloc queue).
     reserved_decode_tokens: int = 512
     settings: TransferSettings = TransferSettings()
+    rendering: RenderingSettings = RenderingSettings()
 
 
 def parse_identity(info: Any) -> EngineIdentity:
@@ -75,7 +88,17 @@ def parse_identity(info: Any) -> EngineIdentity:
         launch_context_length=int(context) if context is not None else None,
         reserved_decode_tokens=int(info.get("num_reserved_decode_tokens") or 512),
         settings=_transfer_settings(info),
+        rendering=_rendering_settings(info),
     )
+
+
+def _rendering_settings(info: dict[str, Any]) -> RenderingSettings:
+    chat, completion, defaults = (info.get(key) for key in ("chat_template", "completion_template",
+                                                            "default_chat_template_kwargs"))
+    return RenderingSettings(chat_template=str(chat) if chat else None,
+                             completion_template=str(completion) if completion else None,
+                             default_chat_template_kwargs=json.dumps(defaults, sort_keys=True, default=str)
+                             if defaults else None)
 
 
 # The environment variables the deployment checks read; only these are kept (an identity must not change with others).

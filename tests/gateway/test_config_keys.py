@@ -87,6 +87,7 @@ KEY_TESTS = {
     "models.deployment_checks.transfer_batch_bound": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",
     "models.deployment_checks.release_timeout": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",
     "models.deployment_checks.metrics_enabled": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",
+    "models.deployment_checks.engine_chat_rendering": "tests/routing/test_deployment_checks.py::test_engine_chat_rendering_in_the_yaml_reaches_the_gate",
     "models.deployment_checks.require_verified_transfer_settings": "tests/routing/test_deployment_checks.py::test_an_unbounded_mooncake_batch_is_flagged_when_exposed_and_unverified_when_not",
     "models.deployment_checks.require_kv_checksum": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",
     "models.deployment_checks.transfer_timeout_s": "tests/routing/test_deployment_checks.py::test_every_policy_in_the_yaml_reaches_the_gate",

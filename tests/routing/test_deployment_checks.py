@@ -5,6 +5,7 @@ API."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from gateway.config import load_config
 from gateway.preflight import collect, report, run_preflight
 from loadtests.engine.harness import EnginePair, start_pair
 from routing.deployment_checks import CheckPolicy, check_worker
-from routing.engines.identity import EngineIdentity, TransferSettings
+from routing.engines.identity import EngineIdentity, RenderingSettings, TransferSettings, parse_identity
 from tests.gateway_harness import model_entry, running_gateway, write_config
 
 EXPOSED_GOOD = {"expose_env_vars": True, "env": ["SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES=256"]}
@@ -115,6 +116,49 @@ def test_every_policy_in_the_yaml_reaches_the_gate(tmp_path: Path) -> None:
     # each one, set to refuse, keeps the workers out (release timeout: 30 s < 45 s; the checksum is off)
     assert refused == {*names, "kv_checksum_match"}
     assert judgement.verdict == "refuse"
+
+
+def test_an_engine_that_renders_chats_its_own_way_fails_unless_the_model_names_the_same_template() -> None:
+    decode = _identity("decode")
+
+    def result(rendering: RenderingSettings, **policy: Any) -> str:
+        prefill = dataclasses.replace(_identity("prefill"), rendering=rendering)
+        return _results("prefill", prefill, decode, **policy)["engine_chat_rendering"]
+
+    assert result(RenderingSettings()) == "pass"
+    assert result(RenderingSettings(default_chat_template_kwargs='{"clear_thinking": false}')) == "fail"
+    assert result(RenderingSettings(completion_template="deepseek_coder")) == "fail"
+    assert result(RenderingSettings(chat_template="/models/tools.jinja")) == "fail"
+    assert result(RenderingSettings(chat_template="/models/tools.jinja"), chat_template_configured=True) == "pass"
+    # As SGLang 0.5.23 reports it in /server_info (ServerArgs flattened), and unset as 0.5.8 reports it.
+    info = {"max_total_num_tokens": 20000, "max_req_input_len": 8185, "chat_template": None,
+            "default_chat_template_kwargs": {"clear_thinking": False, "enable_thinking": True}}
+    assert parse_identity(info).rendering == RenderingSettings(
+        default_chat_template_kwargs='{"clear_thinking": false, "enable_thinking": true}')
+    assert parse_identity({**info, "default_chat_template_kwargs": None}).rendering == RenderingSettings()
+
+
+@pytest.mark.parametrize("action", [None, "warn"])
+def test_engine_chat_rendering_in_the_yaml_reaches_the_gate(tmp_path: Path, action: str | None) -> None:
+    from gateway.runtime import model_spec
+    from routing.engine_info import EngineInfo, Reading
+    from routing.gate import judge_model
+    from routing.workers import Worker, WorkerSpec
+
+    checks = {"engine_chat_rendering": action} if action else {}
+    entry = model_entry("glm-5", [], [], max_prompt_tokens=4000, deployment_checks=checks)
+    entry.update(prefill=[{"url": "http://p:1"}], decode=[{"url": "http://d:1"}])
+    spec = model_spec(load_config(write_config(tmp_path, [entry])).models[0])
+    own_defaults = RenderingSettings(default_chat_template_kwargs='{"clear_thinking": false}')
+    readings = {Worker(WorkerSpec("http://p:1", "prefill")): Reading(EngineInfo(
+                    dataclasses.replace(_identity("prefill"), rendering=own_defaults), None)),
+                Worker(WorkerSpec("http://d:1", "decode")): Reading(EngineInfo(_identity("decode"), None))}
+    judgement = judge_model(spec, readings, startup=True)
+    problems = [p for w in judgement.workers for p in w.problems]
+    if action is None:  # refused by default: the engine would render a prompt kvgate did not count
+        assert judgement.verdict == "refuse" and any(p.startswith("engine_chat_rendering") for p in problems)
+    else:
+        assert judgement.verdict != "refuse" and not problems
 
 
 CLUSTERS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # (prefill options, decode options)
@@ -216,7 +260,7 @@ def test_preflight_table_and_json_for_a_passing_cluster(clusters: dict[str, Engi
     assert run_preflight(config, as_json=True) == 0
     data = json.loads(capsys.readouterr().out)
     results = {(w["role"], c["check"]): c["result"] for w in data["models"][0]["workers"] for c in w["checks"]}
-    assert set(results.values()) == {"pass"} and len(results) == 14
+    assert set(results.values()) == {"pass"} and len(results) == 16  # 8 checks on each of the two workers
     assert run_preflight(config, as_json=False) == 0
     table = capsys.readouterr().out
     assert "deployment checks:" in table and re.search(r"prefill .* transfer_batch_bound +PASS +256 ", table)
