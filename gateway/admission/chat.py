@@ -413,7 +413,8 @@ def _check_schema_types(schema: Any, name: str) -> None:
         if isinstance(node, dict):
             kind = node.get("type")
             types = kind if isinstance(kind, list) else [kind] if isinstance(kind, str) else []
-            if any(t not in _JSON_SCHEMA_TYPES for t in types) or len(set(map(str, types))) != len(types):
+            if any(not isinstance(t, str) or t not in _JSON_SCHEMA_TYPES for t in types) \
+                    or len(set(map(str, types))) != len(types):
                 raise bad_request(f"{name}: type {kind!r} is not a standard JSON Schema type (or repeats one)",
                                   param="tools")
             stack.extend(node.values())

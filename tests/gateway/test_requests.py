@@ -89,6 +89,8 @@ def test_fields_that_change_the_computation_are_refused_not_dropped(field: str) 
         "type": "object", "properties": {"a": {"type": "varchar(255)"}}}}}]}, "varchar"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": ["string", "string"]}}}]},
      "repeats"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": [{}]}}}]}, "standard"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": ["string", []]}}}]}, "standard"),
     ({"user": "u" * (2**20 + 1)}, "characters"),
     ({"stop": ["s" * (2**20 + 1)]}, "characters"),
 ])
