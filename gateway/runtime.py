@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
-from gateway.admission.chat import ChatSettings
+from gateway.admission.chat import ChatSettings, with_engine_defaults
 from gateway.admission.dialects import Dialect, dialect_for
 from gateway.admission.offload import AdmissionWorkers, ModelState
 from gateway.admission.pipeline import admit_body, build_admission, resolve_model
@@ -68,6 +68,7 @@ class ServedModel:
     # A model refused at startup stays refused until every one of its workers passes again.
     refused_at_startup: bool = False
     disabled: bool = False  # the fleet-wide kill switch: an operator turned the model off (503)
+    _chat_with_defaults: tuple[str, ChatSettings, ChatSettings] | None = None  # (defaults, base, applied)
     fleet_limit: int | None = None  # the lowest prompt limit any live replica's gate measured
 
     @property
@@ -83,7 +84,21 @@ class ServedModel:
 
     @property
     def chat_settings(self) -> ChatSettings:
-        return self.admission.chat
+        """The model's chat settings with its verified engines' default template kwargs, which kvgate applies."""
+        defaults = self.engine_template_defaults()
+        if defaults is None:
+            return self.admission.chat
+        base, cached = self.admission.chat, self._chat_with_defaults
+        if cached is None or cached[0] != defaults or cached[1] is not base:
+            cached = self._chat_with_defaults = (defaults, base, with_engine_defaults(base, defaults))
+        return cached[2]
+
+    def engine_template_defaults(self) -> str | None:
+        """The --default-chat-template-kwargs (JSON) most verified workers run with; the deployment check keeps a
+        worker with others out of rotation (under its default policy)."""
+        found = Counter(w.verified.rendering.default_chat_template_kwargs for w in self.pool.workers
+                        if w.verified is not None)
+        return found.most_common(1)[0][0] if found else None
 
     def route_key(self, admitted: AdmittedRequest, headers: list[tuple[bytes, bytes]], salt: str) -> RouteKey:
         """What the model's policies route this request by. The prefix is hashed with the engines' cache salt: two
@@ -344,7 +359,8 @@ class Gateway:
             admitted = await admit_body(route, raw, tenant=tenant, find_model=self.model_for)
         else:
             assert self.admission_workers is not None and body.path is not None
-            state = {m.name: ModelState(m.admission.limits, m.dialects(), m.refusal) for m in self.models.values()}
+            state = {m.name: ModelState(m.admission.limits, m.dialects(), m.refusal, m.engine_template_defaults())
+                     for m in self.models.values()}
             admitted = await self.admission_workers.admit(route, body.path, tenant=tenant, state=state)
         return self.models[admitted.model], admitted
 

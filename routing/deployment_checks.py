@@ -12,6 +12,7 @@ prefill and one decode that disagree) every worker that differs from another fai
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -37,6 +38,9 @@ _ENV_TRUE = frozenset({"true", "1", "yes", "y"})
 _ENV_FALSE = frozenset({"false", "0", "no", "n"})
 # Checks of transfer settings read from the environment: the ones `require_verified_transfer_settings` is about.
 TRANSFER_SETTINGS = frozenset({"deferred_kv_release", "transfer_batch_bound", "release_timeout"})
+# Default template kwargs SGLang does not leave in chat_template_kwargs (serving_chat.py, 0.5.23): kvgate cannot
+# apply them by merging.
+_MOVED_DEFAULTS = frozenset({"reasoning_effort", "chat_template"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +84,7 @@ def check_worker(role: str, identity: EngineIdentity, fleet: Sequence[EngineIden
         _deferred_release(identity, policy),
     ]
     checks.append(_batch_bound(identity, policy) if role == "prefill" else _release_timeout(identity, policy))
-    checks.append(_chat_rendering(identity, policy))
+    checks.append(_chat_rendering(identity, fleet, policy))
     metrics = identity.settings.metrics_enabled
     checks.append(CheckOutcome("metrics_enabled", "unverified" if metrics is None else "pass" if metrics else "fail",
                                "not reported" if metrics is None else str(metrics).lower(), "true (--enable-metrics)",
@@ -88,21 +92,27 @@ def check_worker(role: str, identity: EngineIdentity, fleet: Sequence[EngineIden
     return checks
 
 
-def _chat_rendering(identity: EngineIdentity, policy: CheckPolicy) -> CheckOutcome:
-    """kvgate counts the prompt it renders; an engine that renders with settings of its own tokenizes another one
-    (default template kwargs fill what a request leaves unset — GLM's `clear_thinking: false` renders every earlier
-    turn's reasoning, uncounted). An engine-side chat template passes only when the model names its own
+def _chat_rendering(identity: EngineIdentity, fleet: Sequence[EngineIdentity], policy: CheckPolicy) -> CheckOutcome:
+    """kvgate counts the prompt it renders; an engine that renders with settings of its own tokenizes another one.
+    Default template kwargs kvgate applies itself (GLM's `clear_thinking: false` renders every earlier turn's
+    reasoning: it must be counted), when every worker has the same and none is a key SGLang moves elsewhere
+    (`reasoning_effort`, `chat_template`). An engine-side chat template passes only when the model names its own
     `chat_template` for kvgate, the operator's statement that both render with the same file."""
     rendering = identity.rendering
     found = []
-    if rendering.default_chat_template_kwargs:
-        found.append(f"--default-chat-template-kwargs {rendering.default_chat_template_kwargs}")
+    own = rendering.default_chat_template_kwargs or "unset"
+    values = [i.rendering.default_chat_template_kwargs or "unset" for i in fleet]
+    moved = sorted(set(json.loads(own)) & _MOVED_DEFAULTS) if own != "unset" else []
+    if moved:
+        found.append(f"--default-chat-template-kwargs {own}: SGLang takes {', '.join(moved)} out of them")
+    elif _deviates(own, values):  # kvgate applies one set of defaults: the model's workers must share it
+        found.append(f"--default-chat-template-kwargs {own}{_others(own, values)}")
     if rendering.chat_template and not policy.chat_template_configured:
         found.append(f"--chat-template {rendering.chat_template} (kvgate renders with the tokenizer's own)")
     if rendering.completion_template:
         found.append(f"--completion-template {rendering.completion_template}")
-    safe = ("no engine-side rendering settings kvgate does not apply (for --chat-template, the same file as the "
-            "model's chat_template)")
+    safe = ("the same --default-chat-template-kwargs (if any) on every worker, no --completion-template, and a "
+            "--chat-template only with the same file as the model's chat_template")
     return CheckOutcome("engine_chat_rendering", "fail" if found else "pass", "; ".join(found) or "none", safe,
                         policy.engine_chat_rendering)
 

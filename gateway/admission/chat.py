@@ -9,7 +9,8 @@ refused with 400. Every step names the SGLang function it follows (`sglang vX py
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -42,6 +43,12 @@ MAX_JSON_NODES = 65_536  # objects, arrays and values in one free-form field (to
 MAX_FIELD_CHARS = 1 << 20  # characters of text in one field that is not the prompt itself
 
 
+def with_engine_defaults(settings: ChatSettings, defaults_json: str | None) -> ChatSettings:
+    """`settings` with the engines' --default-chat-template-kwargs (JSON, as the identity holds them) applied."""
+    defaults = orjson.loads(defaults_json) if defaults_json else {}
+    return settings if defaults == settings.engine_defaults else replace(settings, engine_defaults=defaults)
+
+
 def default_template_kwargs(variables_read: frozenset[str]) -> frozenset[str]:
     """What a client may send in chat_template_kwargs by default: the variables the template reads, minus the
     names that are parameters of the call or that SGLang handles itself."""
@@ -54,6 +61,8 @@ class ChatSettings:
 
     content_format: str                 # "openai" | "string" (jinja_template_utils.py: detect_..._content_format)
     template_kwargs: frozenset[str]
+    # The engines' --default-chat-template-kwargs (0.5.22+), as the KV-pool gate read them: applied by kvgate.
+    engine_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,9 +157,11 @@ def parse_chat(body: dict[str, Any], settings: ChatSettings) -> ChatPrompt:
     messages = [_message(i, m) for i, m in enumerate(raw_messages)]
     tools = _tools(body.get("tools"))
     tool_choice = _tool_choice(body.get("tool_choice"), body.get("tools") is None, tools)
+    effort = _reasoning_effort(body.get("reasoning_effort"))
+    kwargs = _template_kwargs(body.get("chat_template_kwargs"), settings.template_kwargs)
     return ChatPrompt(messages=messages, tools=tools, tool_choice=tool_choice,
-                      template_kwargs=_template_kwargs(body.get("chat_template_kwargs"), settings.template_kwargs),
-                      reasoning_effort=_reasoning_effort(body.get("reasoning_effort")),
+                      template_kwargs=_with_engine_defaults(kwargs, settings.engine_defaults, effort),
+                      reasoning_effort=effort,
                       continue_final_message=_lax_bool(body.get("continue_final_message", False),
                                                        "continue_final_message"))
 
@@ -296,6 +307,23 @@ def _template_kwargs(raw: Any, allowed: frozenset[str]) -> dict[str, Any]:
                               param="chat_template_kwargs")
         _check_depth(value, f"chat_template_kwargs.{key}")
     return dict(raw)
+
+
+def _with_engine_defaults(kwargs: dict[str, Any], defaults: Mapping[str, Any], effort: str | None) -> dict[str, Any]:
+    """SGLang 0.5.22+ fills what a request's chat_template_kwargs leave unset with the engine's
+    --default-chat-template-kwargs (serving_chat.py: OpenAIServingChat._process_messages), after the request model
+    set thinking/enable_thinking from reasoning_effort (protocol.py: normalize_reasoning_inputs). kvgate does the
+    same and forwards the result: every engine then renders exactly what was counted (the defaults fill nothing
+    more), 0.5.8 ones included, which have no defaults of their own."""
+    if not defaults:
+        return kwargs
+    merged = dict(kwargs)
+    if effort is not None:
+        merged.setdefault("thinking", effort != "none")
+        merged.setdefault("enable_thinking", effort != "none")
+    for key, value in defaults.items():
+        merged.setdefault(key, value)
+    return merged
 
 
 def _reasoning_effort(raw: Any) -> str | None:

@@ -25,7 +25,7 @@ from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
-from gateway.admission.chat import ChatSettings
+from gateway.admission.chat import ChatSettings, with_engine_defaults
 from gateway.admission.dialects import Dialect
 from gateway.admission.pipeline import admit_body, build_admission, resolve_model
 from gateway.admission.requests import Route
@@ -42,6 +42,7 @@ class ModelState:
     limits: PromptLimits
     dialects: frozenset[Dialect]
     unavailable: str | None
+    engine_template_defaults: str | None = None  # the engines' --default-chat-template-kwargs, JSON
 
 
 class AdmissionWorkers:
@@ -103,7 +104,7 @@ class _WorkerModel:
 
     @property
     def chat_settings(self) -> ChatSettings:
-        return self.admission.chat
+        return with_engine_defaults(self.admission.chat, self.state.engine_template_defaults)
 
     def dialects(self) -> frozenset[Dialect]:
         return self.state.dialects

@@ -34,7 +34,8 @@ class GenerationAPI:
         self._pieces: dict[int, str] = {}
         dialect = engine.cfg.dialect
         self._native = NativeFormat()
-        self._chat = ChatFormat(dialect, engine.cfg.context_length, engine.tok.content_format)
+        self._chat = ChatFormat(dialect, engine.cfg.context_length, engine.tok.content_format,
+                                engine.cfg.default_chat_template_kwargs)
         self._completion = CompletionFormat(dialect)
 
     async def generate(self, req: Request) -> None:

@@ -180,8 +180,14 @@ def _split_last_assistant(messages: list[dict[str, Any]], continue_final: bool
     return messages, None
 
 
-def build_prompt(req: Any, d: Dialect, content_format: str) -> ChatPrompt:
+def build_prompt(req: Any, d: Dialect, content_format: str,
+                 default_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
     """Messages, tools and template kwargs as SGLang passes them to apply_chat_template. Raises ValueError (400)."""
+    if default_kwargs:  # 0.5.22+ serving_chat.py: _process_messages, under what the request set
+        req.chat_template_kwargs = {**default_kwargs, **(req.chat_template_kwargs or {})}
+        effort = req.chat_template_kwargs.get("reasoning_effort")
+        if effort is not None and req.reasoning_effort is None:
+            req.reasoning_effort = effort
     ctk = req.chat_template_kwargs
     effort = ctk.pop("reasoning_effort", None) if ctk else None  # _convert_to_internal_request, unvalidated
     if effort is not None:

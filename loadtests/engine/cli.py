@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                    help="disaggregation_enable_kv_checksum (0.5.22+)")
     p.add_argument("--decode-allocation-policy", default="early", choices=("early", "prefill_complete"),
                    help="disaggregation_decode_allocation_policy (0.5.22+)")
+    p.add_argument("--default-chat-template-kwargs", type=json.loads, default=None,
+                   help="JSON object (0.5.22+): fills what a chat request's chat_template_kwargs leave unset")
     p.add_argument("--expose-env-vars", action=argparse.BooleanOptionalAction, default=False,
                    help="SGLANG_EXPOSE_OWN_ENV_VARS=1 (0.5.22+): list the --env variables in server info")
     p.add_argument("--report-pool-tokens", type=int, default=None,
@@ -86,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         request_log_size=a.request_log_size, transfer_backend=a.transfer_backend,
         enable_kv_checksum=a.enable_kv_checksum, decode_allocation_policy=a.decode_allocation_policy,
         expose_env_vars=a.expose_env_vars, env=tuple(env), report_pool_tokens=a.report_pool_tokens,
-        hide_stub=a.hide_stub)
+        hide_stub=a.hide_stub, default_chat_template_kwargs=a.default_chat_template_kwargs)
 
 
 async def serve(cfg: EngineConfig) -> None:

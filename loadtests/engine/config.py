@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .dialect import Dialect, dialect_of
 
@@ -41,6 +42,7 @@ class EngineConfig:
     env: tuple[tuple[str, str], ...] = ()  # environment variables set explicitly (SGLANG_* only are reported)
     report_pool_tokens: int | None = None  # a lying engine (tests of the integrity guards): server info claims this pool
     hide_stub: bool = False  # a lying engine: a bug-mode stub reports the original prompt's token count
+    default_chat_template_kwargs: dict[str, Any] | None = None  # --default-chat-template-kwargs (0.5.22+)
 
     @property
     def dialect(self) -> Dialect:

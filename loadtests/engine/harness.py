@@ -17,6 +17,7 @@ the default; HF_HUB_OFFLINE=1 is always set for the child.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import select
@@ -97,6 +98,8 @@ def _flags(opts: dict[str, Any]) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):  # a JSON flag, e.g. default_chat_template_kwargs={"enable_thinking": False}
+            out += [flag, json.dumps(value)]
         elif isinstance(value, (list, tuple)):  # a repeatable flag, e.g. env=["A=1", "B=2"]
             for item in value:
                 out += [flag, str(item)]

@@ -30,7 +30,7 @@ def server_args(cfg: EngineConfig, tokenizer_path: str) -> dict[str, Any]:
     backend = _RESOLVED_BACKEND.get(cfg.transfer_backend, cfg.transfer_backend) if modern else cfg.transfer_backend
     extra: dict[str, Any] = {"disaggregation_enable_kv_checksum": cfg.enable_kv_checksum,
                              "disaggregation_decode_allocation_policy": cfg.decode_allocation_policy,
-                             "default_chat_template_kwargs": None} if modern else {}
+                             "default_chat_template_kwargs": cfg.default_chat_template_kwargs} if modern else {}
     return {**extra,
         "model_path": cfg.model, "tokenizer_path": tokenizer_path, "served_model_name": cfg.model,
         "host": cfg.host, "port": cfg.port, "context_length": cfg.context_length, "page_size": cfg.page_size,

@@ -123,10 +123,12 @@ class ChatFormat(OpenAIFormat):
     obj = "chat.completion"
     chunk_obj = "chat.completion.chunk"
 
-    def __init__(self, dialect: Dialect, context_length: int, content_format: str) -> None:
+    def __init__(self, dialect: Dialect, context_length: int, content_format: str,
+                 default_template_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__(dialect, models_for(dialect).chat)
         self.context_length = context_length
         self.content_format = content_format
+        self.default_template_kwargs = default_template_kwargs if dialect >= Dialect.V0_5_22 else None
         self._memo: OrderedDict[bytes, PromptSpec] = OrderedDict()
 
     def parse(self, body: dict[str, Any]) -> PromptSpec:
@@ -149,7 +151,7 @@ class ChatFormat(OpenAIFormat):
             err = check_request(req, self.dialect, self.context_length)
             if err is not None:
                 raise HTTPError(400, err, "BadRequestError")
-            chat = build_prompt(req, self.dialect, self.content_format)
+            chat = build_prompt(req, self.dialect, self.content_format, self.default_template_kwargs)
             spec = PromptSpec(chat=chat)
             if chat.input_ids is not None and not chat.input_ids:
                 raise HTTPError(400, "input_ids cannot be empty.", "BadRequestError")

@@ -1,5 +1,7 @@
 """Nothing a client sends reaches an engine's internal fields; bad input is a clear 400."""
 
+import dataclasses
+
 import orjson
 import pytest
 
@@ -11,10 +13,10 @@ from gateway.errors import GatewayError
 SETTINGS = ChatSettings(content_format="openai", template_kwargs=frozenset({"enable_thinking"}))
 
 
-def _parse(route: str, raw: bytes) -> ClientRequest:
+def _parse(route: str, raw: bytes, settings: ChatSettings = SETTINGS) -> ClientRequest:
     data = decode_json_object(raw)
     requested_model(route, data)
-    return parse_request(route, data, SETTINGS)
+    return parse_request(route, data, settings)
 
 INTERNAL = {"rid": "victim-rid", "bootstrap_room": 42, "bootstrap_host": "10.0.0.9", "bootstrap_port": 1,
             "bootstrap_pair_key": "k", "data_parallel_rank": 0, "routing_key": "x", "log_metrics": False}
@@ -136,3 +138,19 @@ def test_generate_logprob_fields_of_the_right_types_are_forwarded_as_sent() -> N
              "return_text_in_logprobs": False}
     parsed = _parse("/generate", orjson.dumps({"text": "hi", **extra}))
     assert {key: parsed.fields[key] for key in extra} == extra
+
+
+def test_engine_default_template_kwargs_fill_only_what_the_request_left_unset() -> None:
+    """As SGLang 0.5.22+: the request model sets thinking flags from reasoning_effort first, then the engine's
+    defaults fill the rest (setdefault); kvgate forwards the merged kwargs, so the engine's own merge adds nothing."""
+    settings = dataclasses.replace(SETTINGS, engine_defaults={"enable_thinking": False, "clear_thinking": False})
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    plain = _parse("/v1/chat/completions", orjson.dumps(chat), settings)
+    assert plain.fields["chat_template_kwargs"] == {"enable_thinking": False, "clear_thinking": False}
+    own = _parse("/v1/chat/completions", orjson.dumps({**chat, "chat_template_kwargs": {"enable_thinking": True}}),
+                 settings)
+    assert own.fields["chat_template_kwargs"] == {"enable_thinking": True, "clear_thinking": False}
+    effort = _parse("/v1/chat/completions", orjson.dumps({**chat, "reasoning_effort": "high"}), settings)
+    assert effort.fields["chat_template_kwargs"] == {"thinking": True, "enable_thinking": True,
+                                                    "clear_thinking": False}
+    assert "chat_template_kwargs" not in _parse("/v1/chat/completions", orjson.dumps(chat)).fields  # no defaults

@@ -118,15 +118,20 @@ def test_every_policy_in_the_yaml_reaches_the_gate(tmp_path: Path) -> None:
     assert judgement.verdict == "refuse"
 
 
-def test_an_engine_that_renders_chats_its_own_way_fails_unless_the_model_names_the_same_template() -> None:
-    decode = _identity("decode")
-
-    def result(rendering: RenderingSettings, **policy: Any) -> str:
+def test_an_engine_that_renders_chats_its_own_way_fails_unless_kvgate_applies_the_same() -> None:
+    def result(rendering: RenderingSettings, decode_rendering: RenderingSettings = RenderingSettings(),
+               **policy: Any) -> str:
         prefill = dataclasses.replace(_identity("prefill"), rendering=rendering)
+        decode = dataclasses.replace(_identity("decode"), rendering=decode_rendering)
         return _results("prefill", prefill, decode, **policy)["engine_chat_rendering"]
 
     assert result(RenderingSettings()) == "pass"
-    assert result(RenderingSettings(default_chat_template_kwargs='{"clear_thinking": false}')) == "fail"
+    glm = RenderingSettings(default_chat_template_kwargs='{"clear_thinking": false}')
+    assert result(glm, glm) == "pass"  # kvgate applies the defaults the model's workers share
+    assert result(glm) == "fail"  # one set of defaults for the model: a worker without them differs
+    assert result(RenderingSettings(), glm) == "fail"
+    moved = RenderingSettings(default_chat_template_kwargs='{"reasoning_effort": "high"}')
+    assert result(moved, moved) == "fail"  # SGLang moves it out of the kwargs: not a default kvgate can merge
     assert result(RenderingSettings(completion_template="deepseek_coder")) == "fail"
     assert result(RenderingSettings(chat_template="/models/tools.jinja")) == "fail"
     assert result(RenderingSettings(chat_template="/models/tools.jinja"), chat_template_configured=True) == "pass"
