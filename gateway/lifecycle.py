@@ -407,7 +407,10 @@ class PDExchange:
         for worker in (self.pair.prefill, self.pair.decode):
             identity = worker.verified
             counted = admitted.prompt_tokens_for(identity.version) if identity is not None else None
-            if identity is None or counted is None:
+            if identity is None or counted is None or (
+                    admitted.route == "/v1/chat/completions"
+                    and identity.rendering.default_chat_template_kwargs != admitted.engine_defaults_json):
+                # (a restart with other default template kwargs would render a chat that was not counted)
                 raise GatewayError(503, f"the {worker.role} engine changed while the request was admitted",
                                    code="worker_changed", detail=f"{worker.role} worker {worker.url}")
             if counted >= identity.max_req_input_len:

@@ -38,8 +38,8 @@ _ENV_TRUE = frozenset({"true", "1", "yes", "y"})
 _ENV_FALSE = frozenset({"false", "0", "no", "n"})
 # Checks of transfer settings read from the environment: the ones `require_verified_transfer_settings` is about.
 TRANSFER_SETTINGS = frozenset({"deferred_kv_release", "transfer_batch_bound", "release_timeout"})
-# Default template kwargs SGLang does not leave in chat_template_kwargs (serving_chat.py, 0.5.23): kvgate cannot
-# apply them by merging.
+# Default template kwargs kvgate cannot apply by merging, whatever admission says besides: those SGLang moves out of
+# chat_template_kwargs (serving_chat.py, 0.5.23).
 _MOVED_DEFAULTS = frozenset({"reasoning_effort", "chat_template"})
 
 
@@ -59,6 +59,9 @@ class CheckPolicy:
     require_kv_checksum: bool = False
     transfer_timeout_s: float = 30.0  # the operator's worst-case KV transfer (Mooncake's MC_TRANSFER_TIMEOUT: 30 s)
     chat_template_configured: bool = False  # the model's own `chat_template` (kvgate renders with that file)
+    # Keys that are not template variables (apply_chat_template's parameters): as engine defaults they change the
+    # call itself; admission knows which (gateway.admission.chat).
+    unmergeable_template_kwargs: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +105,11 @@ def _chat_rendering(identity: EngineIdentity, fleet: Sequence[EngineIdentity], p
     found = []
     own = rendering.default_chat_template_kwargs or "unset"
     values = [i.rendering.default_chat_template_kwargs or "unset" for i in fleet]
-    moved = sorted(set(json.loads(own)) & _MOVED_DEFAULTS) if own != "unset" else []
-    if moved:
-        found.append(f"--default-chat-template-kwargs {own}: SGLang takes {', '.join(moved)} out of them")
+    parsed = json.loads(own) if own != "unset" else {}
+    unmergeable = _MOVED_DEFAULTS | policy.unmergeable_template_kwargs
+    unusable = sorted(set(parsed) & unmergeable) if isinstance(parsed, dict) else ["not an object"]
+    if unusable:
+        found.append(f"--default-chat-template-kwargs {own}: {', '.join(unusable)} cannot be applied by merging")
     elif _deviates(own, values):  # kvgate applies one set of defaults: the model's workers must share it
         found.append(f"--default-chat-template-kwargs {own}{_others(own, values)}")
     if rendering.chat_template and not policy.chat_template_configured:

@@ -59,6 +59,8 @@ class AdmittedRequest:
     prefix_hash: int | None = None  # the prompt's first token ids (and cache_salt), for prefix affinity
     merge_logprobs: bool = False  # /generate with return_logprob: prefill's prompt logprobs go into decode's answer
     cache_salt: str | None = None  # the client's own salt: it only subdivides its tenant's prefix-cache namespace
+    # A chat: the engines' default template kwargs it was rendered with (JSON; None: none). Not a chat: unused.
+    engine_defaults_json: str | None = None
 
     def prompt_tokens_for(self, engine_version: str) -> int | None:
         """The gateway's count as an engine of that version renders the prompt (None: not counted for it)."""
@@ -115,7 +117,9 @@ class Admission:
         prefix = self._prefix_hash(head, request.cache_salt) if self.prefix_tokens else None
         return AdmittedRequest(request.route, self.model, request.stream, body, counts, max_new, request.usage,
                                prefix, merge_logprobs=request.route == "/generate"
-                               and fields.get("return_logprob") is True, cache_salt=request.cache_salt)
+                               and fields.get("return_logprob") is True, cache_salt=request.cache_salt,
+                               engine_defaults_json=request.prompt.engine_defaults_json
+                               if isinstance(request.prompt, ChatPrompt) else None)
 
     def _prefix_hash(self, head: PromptHead, salt: str | None) -> int:
         """A hash of the prompt's first `prefix_tokens` token ids as the engine sees them, and of cache_salt."""

@@ -44,9 +44,13 @@ MAX_FIELD_CHARS = 1 << 20  # characters of text in one field that is not the pro
 
 
 def with_engine_defaults(settings: ChatSettings, defaults_json: str | None) -> ChatSettings:
-    """`settings` with the engines' --default-chat-template-kwargs (JSON, as the identity holds them) applied."""
+    """`settings` with the engines' --default-chat-template-kwargs (JSON, as the identity holds them) applied. A
+    value that is not an object fails the deployment check; under `warn` nothing is applied."""
+    if defaults_json == settings.engine_defaults_json:
+        return settings
     defaults = orjson.loads(defaults_json) if defaults_json else {}
-    return settings if defaults == settings.engine_defaults else replace(settings, engine_defaults=defaults)
+    return replace(settings, engine_defaults=defaults if isinstance(defaults, dict) else {},
+                   engine_defaults_json=defaults_json)
 
 
 def default_template_kwargs(variables_read: frozenset[str]) -> frozenset[str]:
@@ -63,6 +67,7 @@ class ChatSettings:
     template_kwargs: frozenset[str]
     # The engines' --default-chat-template-kwargs (0.5.22+), as the KV-pool gate read them: applied by kvgate.
     engine_defaults: Mapping[str, Any] = field(default_factory=dict)
+    engine_defaults_json: str | None = None  # the same, as the engines' identities state them
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +92,9 @@ class ChatPrompt:
     template_kwargs: dict[str, Any]
     reasoning_effort: str | None
     continue_final_message: bool
+    # The engines' default template kwargs merged into template_kwargs (JSON; None: none): dispatch checks that the
+    # engines about to render it still have these.
+    engine_defaults_json: str | None = None
 
     def forwarded(self) -> dict[str, Any]:
         """The prompt-shaping fields of the engine body, in the reduced form."""
@@ -163,7 +171,8 @@ def parse_chat(body: dict[str, Any], settings: ChatSettings) -> ChatPrompt:
                       template_kwargs=_with_engine_defaults(kwargs, settings.engine_defaults, effort),
                       reasoning_effort=effort,
                       continue_final_message=_lax_bool(body.get("continue_final_message", False),
-                                                       "continue_final_message"))
+                                                       "continue_final_message"),
+                      engine_defaults_json=settings.engine_defaults_json)
 
 
 # ── request models (protocol.py: ChatCompletionMessageUserParam / GenericParam, ToolCall, Tool, Function) ──────

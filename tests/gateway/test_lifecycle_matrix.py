@@ -5,6 +5,7 @@ Fake engines record, in order, every request, close and abort the exchange makes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from gateway.lifecycle import (ClientGone, Done, ExchangeRegistry, Failure, PDEx
 from routing.engines.errors import (EngineBroken, EngineChanged, EngineError, EngineRejected, EngineTimeout,
                                     EngineUnreachable)
 from routing.breaker import BreakerSpec, BreakerState
-from routing.engines.identity import EngineIdentity
+from routing.engines.identity import EngineIdentity, RenderingSettings
 from routing.pools import Lease, WorkerPair
 from routing.workers import Worker, WorkerSpec
 from tests.fake_engines import END, FakeEngines
@@ -43,11 +44,13 @@ class Run:
     """One exchange over fake engines, with the relay's view of it."""
 
     def __init__(self, release: Release = "verified", timeouts: TimeoutsConfig = FAST,
-                 merge_logprobs: bool = False, plausibility: TTFTPlausibility | None = None) -> None:
+                 merge_logprobs: bool = False, plausibility: TTFTPlausibility | None = None,
+                 admitted: AdmittedRequest | None = None) -> None:
         prefill, decode = _worker("http://p", "prefill"), _worker("http://d", "decode")
         self.engines = FakeEngines(prefill, decode)
-        admitted = AdmittedRequest("/generate", "glm-5", True, b'{"text":"hi","sampling_params":{}}',
-                                   {Dialect.V0_5_23: COUNT}, 4, UsageOptions(), merge_logprobs=merge_logprobs)
+        admitted = admitted or AdmittedRequest("/generate", "glm-5", True, b'{"text":"hi","sampling_params":{}}',
+                                               {Dialect.V0_5_23: COUNT}, 4, UsageOptions(),
+                                               merge_logprobs=merge_logprobs)
         self.exchange = PDExchange(self.engines, Lease(WorkerPair(prefill, decode)), admitted, timeouts=timeouts,
                                    release=release, registry=ExchangeRegistry(), rooms=RoomAllocator(),
                                    plausibility=plausibility)
@@ -322,6 +325,25 @@ def test_a_count_admitted_under_an_old_limit_is_refused_at_dispatch_before_eithe
         log = await run.finished()
         events = run.relayed()
         assert isinstance(events[0], Failure) and events[0].error.status == 413
+        assert ("request", "prefill") not in log and ("request", "decode") not in log
+    _run(scenario)
+
+
+def test_a_chat_counted_under_other_engine_default_kwargs_is_refused_at_dispatch_before_either_half_is_sent() -> None:
+    """Counted with the defaults in force at admission; while it queued, the engines restarted with others and were
+    verified again: they would render a chat nobody counted."""
+    async def scenario() -> None:
+        run = Run(admitted=AdmittedRequest("/v1/chat/completions", "glm-5", False, b'{"messages":[]}',
+                                           {Dialect.V0_5_23: COUNT}, 4, UsageOptions(), engine_defaults_json=None))
+        for worker in (run.exchange.pair.prefill, run.exchange.pair.decode):
+            identity = worker.verified
+            assert identity is not None
+            worker.accept(dataclasses.replace(identity, rendering=RenderingSettings(
+                default_chat_template_kwargs='{"clear_thinking": false}')))
+        run.exchange.start()
+        log = await run.finished()
+        events = run.relayed()
+        assert isinstance(events[0], Failure) and events[0].error.code == "worker_changed"
         assert ("request", "prefill") not in log and ("request", "decode") not in log
     _run(scenario)
 

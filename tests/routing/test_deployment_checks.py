@@ -132,6 +132,10 @@ def test_an_engine_that_renders_chats_its_own_way_fails_unless_kvgate_applies_th
     assert result(RenderingSettings(), glm) == "fail"
     moved = RenderingSettings(default_chat_template_kwargs='{"reasoning_effort": "high"}')
     assert result(moved, moved) == "fail"  # SGLang moves it out of the kwargs: not a default kvgate can merge
+    call = RenderingSettings(default_chat_template_kwargs='{"padding": "max_length"}')
+    assert result(call, call, unmergeable_template_kwargs=frozenset({"padding"})) == "fail"  # not a variable
+    odd = RenderingSettings(default_chat_template_kwargs='"enable_thinking"')
+    assert result(odd, odd) == "fail"  # not an object
     assert result(RenderingSettings(completion_template="deepseek_coder")) == "fail"
     assert result(RenderingSettings(chat_template="/models/tools.jinja")) == "fail"
     assert result(RenderingSettings(chat_template="/models/tools.jinja"), chat_template_configured=True) == "pass"
