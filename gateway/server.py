@@ -236,6 +236,9 @@ def serve_processes(config: GatewayConfig, *, log_level: str, config_path: str |
         signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
         pid = os.fork()
         if pid == 0:  # the worker: default signal handling, its own event loop
+            # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground group) reaches the parent alone,
+            # which passes it on once. Twice, the second would end the worker's drain at once.
+            os.setpgid(0, 0)
             for sig in _FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)

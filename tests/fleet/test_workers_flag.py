@@ -33,6 +33,8 @@ def test_two_worker_processes_share_one_port_and_one_fleet(tmp_path: Path) -> No
             assert wait_for(lambda: _ready(url), timeout_s=30)
             children = _children(parent.pid)
             assert len(children) == 2
+            # Each in its own process group: a terminal's Ctrl-C reaches the parent only, which passes it on once.
+            assert all(os.getpgid(pid) not in (parent.pid, os.getpgid(parent.pid)) for pid in children)
             body = {"text": "hello", "sampling_params": {"max_new_tokens": 2}}
             with ThreadPoolExecutor(16) as pool:
                 statuses = list(pool.map(lambda _: httpx.post(url + "/generate", json=body, timeout=30).status_code,
