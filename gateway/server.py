@@ -24,6 +24,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig, load_config
 from gateway.errors import GatewayError
+from gateway.parent_death import die_with_parent
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway
@@ -228,6 +229,7 @@ def serve_processes(config: GatewayConfig, *, log_level: str, config_path: str |
     are passed on to every worker; a worker that dies unbidden is started again. With `state.backend: redis` the
     workers act as one gateway; with `memory` each keeps its own limits, load and kill switches."""
     sock = _listening_socket(config.listen.host, config.listen.port)
+    parent = os.getpid()
     children: dict[int, int] = {}  # pid → worker index
     stopping = False
 
@@ -239,6 +241,7 @@ def serve_processes(config: GatewayConfig, *, log_level: str, config_path: str |
             # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground group) reaches the parent alone,
             # which passes it on once. Twice, the second would end the worker's drain at once.
             os.setpgid(0, 0)
+            die_with_parent(parent)  # which no longer reaches it through the group: a SIGKILLed parent, too
             for sig in _FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)

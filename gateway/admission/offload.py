@@ -14,13 +14,10 @@ gateway process still owns model availability, limits (sent with each call) and 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
 import logging
 import multiprocessing
 import os
-import signal
-import sys
 from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -31,9 +28,9 @@ from gateway.admission.pipeline import admit_body, build_admission, resolve_mode
 from gateway.admission.requests import Route
 from gateway.config import ModelConfig
 from gateway.errors import GatewayError
+from gateway.parent_death import die_with_parent
 
 log = logging.getLogger("kvgate.admission")
-_PR_SET_PDEATHSIG = 1
 
 @dataclass(frozen=True, slots=True)
 class ModelState:
@@ -112,19 +109,10 @@ class _WorkerModel:
 
 def _start_worker(models: list[ModelConfig], cache_bytes: int, parent_pid: int) -> None:
     global _loop
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     _loop = asyncio.new_event_loop()
     for config in models:
         _admissions[config.name] = build_admission(config, cache_bytes=cache_bytes)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel ends this worker when the gateway process dies, however it dies."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(0)
 
 
 def _admit(route: Route, body_path: str, tenant: str, state: dict[str, ModelState]) -> AdmittedRequest:

@@ -1,8 +1,9 @@
 """`kvgate serve --workers 2`: two gateway processes accept on one port and, on Redis, join the fleet as two
-replicas; SIGTERM to the parent stops both cleanly."""
+replicas; SIGTERM to the parent stops both cleanly, and a parent killed outright takes them with it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -75,3 +76,25 @@ def _alive(pid: int) -> bool:
         return False
     stat = Path(f"/proc/{pid}/stat")
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_workers_whose_parent_is_killed_drain_and_exit_instead_of_holding_the_port(tmp_path: Path) -> None:
+    with start_pair(prefill_pool=50000, decode_pool=50000, context_length=8192, model="glm-5",
+                    version="0.5.23") as pair:
+        config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode])])
+        url = f"http://127.0.0.1:{int(config.stem.split('-')[1])}"
+        parent = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+                                   "--workers", "2", "--log-level", "warning"], cwd=ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        children: list[int] = []
+        try:
+            assert wait_for(lambda: _ready(url), timeout_s=60)
+            assert wait_for(lambda: len(_children(parent.pid)) == 2, timeout_s=30)
+            children = _children(parent.pid)
+            parent.kill()  # SIGKILL: nothing is passed on; the kernel tells the workers (PR_SET_PDEATHSIG)
+            parent.wait(timeout=10)
+            assert wait_for(lambda: not [pid for pid in children if _alive(pid)], timeout_s=20)
+        finally:
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
