@@ -52,7 +52,7 @@ class AdminApi:
                 Route("/admin/reload", self._guarded(self.reload), methods=["POST"]),
                 Route("/admin/models/{name:path}/disable", self._guarded(self.disable_model), methods=["POST"]),
                 Route("/admin/models/{name:path}/enable", self._guarded(self.enable_model), methods=["POST"]),
-                Route("/admin/requests/{id}/abort", self._guarded(self.abort_request), methods=["POST"])]
+                Route("/admin/requests/{id:path}/abort", self._guarded(self.abort_request), methods=["POST"])]
 
     def _guarded(self, handler: Any) -> Any:
         async def endpoint(request: Request) -> Response:

@@ -10,6 +10,10 @@ from __future__ import annotations
 import os
 import tempfile
 
+from starlette.types import Receive, Scope
+
+from gateway.errors import GatewayError
+
 # Bodies up to this size stay in memory and are admitted on the event loop.
 INLINE_BODY_BYTES = 64 * 1024
 
@@ -57,3 +61,26 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+class BodyTooLarge(GatewayError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the gateway's limit of {limit} bytes", code="body_too_large")
+
+
+async def read_body(scope: Scope, receive: Receive, body: RequestBody, limit: int) -> None:
+    """The whole body into `body`, refusing with 413 as soon as it is known to exceed `limit` (before reading it
+    all). ConnectionAbortedError when the client leaves first."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise BodyTooLarge(limit)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionAbortedError
+        chunk = message.get("body", b"")
+        if body.size + len(chunk) > limit:
+            raise BodyTooLarge(limit)
+        body.add(chunk)
+        if not message.get("more_body", False):
+            return

@@ -16,7 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.admission.requests import Route, UsageOptions
 from gateway.assemble import assembler_for
-from gateway.body import RequestBody
+from gateway.body import BodyTooLarge, RequestBody, read_body
 from gateway.errors import GatewayError
 from gateway.lifecycle import ClientGone, Done, Failure, PDExchange
 from gateway.probe import is_probe
@@ -36,29 +36,6 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 # A usage object inside an OpenAI stream chunk (one level of nesting: prompt_tokens_details).
 _ANSWER_KEPT = 1 << 18  # bytes of a sampled answer kept for the provenance check
 _USAGE = re.compile(rb',"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
-
-
-class BodyTooLarge(GatewayError):
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body exceeds the gateway's limit of {limit} bytes", code="body_too_large")
-
-
-async def read_body(scope: Scope, receive: Receive, body: RequestBody, limit: int) -> None:
-    """The whole body into `body`, refusing with 413 as soon as it is known to exceed `limit` (before reading it
-    all)."""
-    for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise BodyTooLarge(limit)
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionAbortedError
-        chunk = message.get("body", b"")
-        if body.size + len(chunk) > limit:
-            raise BodyTooLarge(limit)
-        body.add(chunk)
-        if not message.get("more_body", False):
-            return
 
 
 async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:

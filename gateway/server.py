@@ -158,7 +158,10 @@ def uvicorn_config(app: ASGIApp, config: GatewayConfig, *, log_level: str, loop:
     # access log is kvgate's own (gateway.telemetry.observe), with the request's model, workers and outcome.
     return uvicorn.Config(app, host=config.listen.host, port=config.listen.port, log_level=log_level,
                           log_config=None, access_log=False, loop=loop, http=protocol, lifespan="on",
-                          timeout_graceful_shutdown=5)
+                          timeout_graceful_shutdown=5,
+                          # A client's X-Forwarded-For must not choose who it is (an anonymous tenant is salted by
+                          # its address): uvicorn trusts the header from loopback by default.
+                          proxy_headers=False)
 
 
 class GracefulServer(uvicorn.Server):

@@ -19,17 +19,21 @@ import logging
 import multiprocessing
 import os
 from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
 from gateway.admission.chat import ChatSettings, with_engine_defaults
 from gateway.admission.dialects import Dialect
 from gateway.admission.pipeline import admit_body, build_admission, resolve_model
 from gateway.admission.requests import Route
+from gateway.admission.tokenize import Kind, answer
 from gateway.config import ModelConfig
 from gateway.errors import GatewayError
 from gateway.parent_death import die_with_parent
 
+T = TypeVar("T")
 log = logging.getLogger("kvgate.admission")
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,13 @@ class AdmissionWorkers:
 
     async def admit(self, route: Route, body_path: str, *, tenant: str,
                     state: dict[str, ModelState]) -> AdmittedRequest:
+        return await self._run(tenant, _admit, route, body_path, tenant, state)
+
+    async def tokenize(self, kind: Kind, body_path: str, *, tenant: str, limits: dict[str, PromptLimits]) -> bytes:
+        """The JSON answer of `/v1/tokenize` or `/v1/detokenize` to a large body (see gateway.tokenize_api)."""
+        return await self._run(tenant, _tokenize, kind, body_path, limits)
+
+    async def _run(self, tenant: str, function: Callable[..., T], *args: Any) -> T:
         slot = int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=4).digest(), "big") % len(self._executors)
         if self._waiting[slot] >= self.MAX_WAITING:
             raise GatewayError(503, "too many large requests are waiting to be counted; retry shortly",
@@ -63,7 +74,7 @@ class AdmissionWorkers:
         executor = self._executor(slot)
         self._waiting[slot] += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, _admit, route, body_path, tenant, state)
+            return await asyncio.get_running_loop().run_in_executor(executor, function, *args)
         except BrokenExecutor as exc:
             # The worker died (killed, out of memory): a fresh one serves the next large body.
             log.error("admission worker %d died (%s); restarting it", slot, exc)
@@ -113,6 +124,18 @@ def _start_worker(models: list[ModelConfig], cache_bytes: int, parent_pid: int) 
     _loop = asyncio.new_event_loop()
     for config in models:
         _admissions[config.name] = build_admission(config, cache_bytes=cache_bytes)
+
+
+def _tokenize(kind: Kind, body_path: str, limits: dict[str, PromptLimits]) -> bytes:
+    with open(body_path, "rb") as body:
+        raw = body.read()
+
+    def find(name: str | None) -> Admission:
+        admission = resolve_model(name, _admissions, lambda _: None)
+        admission.limits = limits[admission.model]
+        return admission
+
+    return answer(kind, raw, find)
 
 
 def _admit(route: Route, body_path: str, tenant: str, state: dict[str, ModelState]) -> AdmittedRequest:

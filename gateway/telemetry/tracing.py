@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from gateway.lifecycle import PDExchange
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+# W3C Trace Context: version ff is invalid, and so are an all-zero trace id or parent id.
+_TRACEPARENT = re.compile(r"^(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")
 _OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/generate": "generate"}
 # monotonic seconds → Unix nanoseconds (the lifecycle notes times on the monotonic clock)
 _WALL_OFFSET_NS = time.time_ns() - time.monotonic_ns()

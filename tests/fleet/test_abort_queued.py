@@ -30,7 +30,7 @@ def test_a_queued_request_aborted_by_id_is_refused_and_never_reaches_an_engine(
 
             def queued() -> None:
                 answers["queued"] = httpx.post(gateway.url + "/v1/chat/completions", timeout=30,
-                                               headers={"x-request-id": "queued-1"},
+                                               headers={"x-request-id": "team-a/queued-1"},
                                                json={**body, "stream": False, "max_tokens": 2})
 
             with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=30) as holder:
@@ -39,7 +39,8 @@ def test_a_queued_request_aborted_by_id_is_refused_and_never_reaches_an_engine(
                 waiter = threading.Thread(target=queued)
                 waiter.start()
                 time.sleep(0.3)  # admitted and waiting in the queue
-                aborted = httpx.post(gateway.url + "/admin/requests/queued-1/abort", headers=admin, timeout=10)
+                aborted = httpx.post(gateway.url + "/admin/requests/team-a/queued-1/abort", headers=admin,  # a "/" too
+                                     timeout=10)
                 assert aborted.status_code == 200 and aborted.json()["aborted_here"] == 1
                 for _ in lines:  # the holder finishes; the queued request's turn comes
                     pass
@@ -47,4 +48,5 @@ def test_a_queued_request_aborted_by_id_is_refused_and_never_reaches_an_engine(
             refused = answers["queued"]
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "aborted_by_operator"
             assert wait_for(lambda: records(pair.decode), timeout_s=2)
-            assert not [r for e in (pair.prefill, pair.decode) for r in records(e) if r["request_id"] == "queued-1"]
+            assert not [r for e in (pair.prefill, pair.decode) for r in records(e)
+                        if r["request_id"] == "team-a/queued-1"]

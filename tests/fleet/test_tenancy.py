@@ -98,6 +98,11 @@ def test_without_auth_required_a_request_without_a_key_is_served_and_salted_by_i
     assert _send(gateway, None, "hello there", "anon-0").status_code == 200
     prefill_key, decode_key, _ = _engine_view(pair, "anon-0")
     assert prefill_key == decode_key and len(prefill_key) == 32
+    # A client cannot pick another address (and its salt) with X-Forwarded-For, even from loopback.
+    forged = httpx.post(gateway.url + "/v1/completions", timeout=30,
+                        headers={"x-request-id": "anon-xff", "x-forwarded-for": "10.9.9.9"},
+                        json={"model": "glm-5", "prompt": "hello there", "max_tokens": 1})
+    assert forged.status_code == 200 and _engine_view(pair, "anon-xff")[0] == prefill_key
 
 
 def test_a_tenants_request_limit_answers_429_with_retry_after(gateway: RunningGateway) -> None:

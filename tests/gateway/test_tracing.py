@@ -65,12 +65,14 @@ def test_without_tracing_a_well_formed_client_context_passes_through_and_a_malfo
     reset(glm_pair.prefill, glm_pair.decode)
     config = write_config(tmp_path, [model_entry("glm-5", [glm_pair.prefill], [glm_pair.decode])])
     with running_gateway(config) as gateway:
-        for header in (f"00-{TRACE_ID}-{CLIENT_SPAN}-01", "00-not-a-trace-context; x=1"):
+        for header in (f"00-{TRACE_ID}-{CLIENT_SPAN}-01", "00-not-a-trace-context; x=1",
+                       f"ff-{TRACE_ID}-{CLIENT_SPAN}-01", f"00-{'0' * 32}-{CLIENT_SPAN}-01",
+                       f"00-{TRACE_ID}-{'0' * 16}-01"):  # W3C: version ff, all-zero ids are invalid
             response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=30,
                                   headers={"traceparent": header})
             assert response.status_code == 200
     traceparents = [r["traceparent"] for r in generation_records(glm_pair.prefill)]
-    assert traceparents == [f"00-{TRACE_ID}-{CLIENT_SPAN}-01", None]
+    assert traceparents == [f"00-{TRACE_ID}-{CLIENT_SPAN}-01", None, None, None, None]
 
 
 class _Receiver(BaseHTTPRequestHandler):
