@@ -18,6 +18,7 @@ from gateway.admin import AdminApi
 from gateway.admission.requests import reject_unknown_model
 from gateway.canary import CanaryProber
 from gateway.config import GatewayConfig
+from gateway.errors import GatewayError
 from gateway.tokenize_api import TokenizeApi
 from gateway.proxy import GenerateEndpoint
 from gateway.runtime import Gateway, GateRefused, ServedModel
@@ -99,10 +100,23 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, *,
                 "max_model_len": model.config.context_length,
                 "max_prompt_tokens": model.admission.limits.prompt_tokens, "available": model.unavailable is None}
 
-    async def list_models(_: Request) -> Response:
+    async def refused(request: Request) -> Response | None:
+        """The models and their limits are for clients with a key, where one is required (as the generate routes)."""
+        try:
+            await gateway.fleet.tenants.identify(request.scope["headers"], request.scope.get("client"))
+        except GatewayError as error:
+            return Response(error.json(), status_code=error.status, media_type="application/json",
+                            headers={"www-authenticate": "Bearer"})
+        return None
+
+    async def list_models(request: Request) -> Response:
+        if (answer := await refused(request)) is not None:
+            return answer
         return _json({"object": "list", "data": [entry(model) for model in gateway.models.values()]})
 
     async def model(request: Request) -> Response:
+        if (answer := await refused(request)) is not None:
+            return answer
         served = gateway.models.get(request.path_params["model_id"])
         if served is None:
             error = reject_unknown_model(request.path_params["model_id"], list(gateway.models))

@@ -1,6 +1,6 @@
 """`/v1/tokenize` and `/v1/detokenize` are served like the generate routes up to the engine: the API key and tenant
 throttling before the body is read, the body limit and timeout, and a large body handled in an admission worker
-process, so no body, however built, holds the event loop."""
+process, so no body, however built, holds the event loop. `/v1/models` too needs the key where one is required."""
 
 from __future__ import annotations
 
@@ -38,6 +38,13 @@ def test_a_key_is_needed_as_on_the_generate_routes(gateway: RunningGateway, path
     refused = httpx.post(gateway.url + path, json=body, timeout=10)
     assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
     assert httpx.post(gateway.url + path, json=body, headers=AUTH, timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/glm-5", "/v1/models/unknown"])
+def test_the_models_and_their_limits_are_for_clients_with_a_key(gateway: RunningGateway, path: str) -> None:
+    refused = httpx.get(gateway.url + path, timeout=10)
+    assert refused.status_code == 401 and "glm-5" not in refused.text
+    assert httpx.get(gateway.url + path, headers=AUTH, timeout=10).status_code == (404 if "unknown" in path else 200)
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(gateway: RunningGateway) -> None:
