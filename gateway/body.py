@@ -63,6 +63,12 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+class EncodedBody(GatewayError):
+    def __init__(self, encoding: str) -> None:
+        super().__init__(415, f"request bodies must not be compressed (Content-Encoding: {encoding}); send plain JSON",
+                         code="unsupported_content_encoding")
+
+
 class BodyTooLarge(GatewayError):
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"request body exceeds the gateway's limit of {limit} bytes", code="body_too_large")
@@ -70,10 +76,13 @@ class BodyTooLarge(GatewayError):
 
 async def read_body(scope: Scope, receive: Receive, body: RequestBody, limit: int) -> None:
     """The whole body into `body`, refusing with 413 as soon as it is known to exceed `limit` (before reading it
-    all). ConnectionAbortedError when the client leaves first."""
+    all), with 415 for a compressed one (what is counted must be what was sent, and a small compressed body can
+    inflate past any limit). ConnectionAbortedError when the client leaves first."""
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             raise BodyTooLarge(limit)
+        if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+            raise EncodedBody(value.decode("latin-1"))
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

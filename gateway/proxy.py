@@ -16,7 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.admission.requests import Route, UsageOptions
 from gateway.assemble import assembler_for
-from gateway.body import BodyTooLarge, RequestBody, read_body
+from gateway.body import BodyTooLarge, EncodedBody, RequestBody, read_body
 from gateway.errors import GatewayError
 from gateway.lifecycle import ClientGone, Done, Failure, PDExchange
 from gateway.probe import is_probe
@@ -123,7 +123,7 @@ class GenerateEndpoint:
                 408, f"the request body did not arrive within {gateway.config.timeouts.client_body_s:g}s",
                 code="request_timeout"), _CLOSE)
             return None
-        except BodyTooLarge as error:
+        except (BodyTooLarge, EncodedBody) as error:
             await self._refuse(send, record, error, _CLOSE)
             return None
         except ConnectionAbortedError:

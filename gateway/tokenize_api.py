@@ -23,7 +23,7 @@ from starlette.routing import Route
 from gateway.admission.admit import Admission
 from gateway.admission.pipeline import resolve_model
 from gateway.admission.tokenize import Kind, answer
-from gateway.body import BodyTooLarge, RequestBody, read_body
+from gateway.body import BodyTooLarge, EncodedBody, RequestBody, read_body
 from gateway.errors import GatewayError
 from gateway.tenancy.errors import RateLimited
 
@@ -69,7 +69,7 @@ class TokenizeApi:
                 return _error(GatewayError(408, "the request body did not arrive within "
                                            f"{gateway.config.timeouts.client_body_s:g}s", code="request_timeout"),
                               {"connection": "close"})
-            except BodyTooLarge as error:
+            except (BodyTooLarge, EncodedBody) as error:
                 return _error(error, {"connection": "close"})
             except ConnectionAbortedError:
                 return Response(status_code=499)  # nobody is listening; nothing is logged as an error

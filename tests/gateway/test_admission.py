@@ -4,6 +4,7 @@ the promise that a refused prompt never reaches an engine."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+import gzip
 import socket
 import time
 
@@ -132,6 +133,16 @@ def test_streamed_body_over_the_cap_is_refused(gateway: RunningGateway) -> None:
 
     response = httpx.post(gateway.url + "/v1/completions", content=chunks(), timeout=30)
     assert response.status_code == 413
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/generate", "/v1/tokenize"])
+def test_a_compressed_body_is_refused_not_guessed_at(gateway: RunningGateway, pair: EnginePair, path: str) -> None:
+    body = gzip.compress(b'{"model": "glm-5", "messages": [{"role": "user", "content": "hi"}], "text": "hi"}')
+    seen = len(generation_records(pair.prefill))
+    response = httpx.post(gateway.url + path, content=body, timeout=10,
+                          headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert response.status_code == 415 and response.json()["error"]["code"] == "unsupported_content_encoding"
+    assert len(generation_records(pair.prefill)) == seen
 
 
 @pytest.mark.parametrize(("path", "body", "status"), [
