@@ -18,7 +18,7 @@ from gateway.admin import AdminApi
 from gateway.admission.requests import reject_unknown_model
 from gateway.canary import CanaryProber
 from gateway.config import GatewayConfig
-from gateway.errors import GatewayError
+from gateway.intake import Refused, error_response, identify
 from gateway.tokenize_api import TokenizeApi
 from gateway.proxy import GenerateEndpoint
 from gateway.runtime import Gateway, GateRefused, ServedModel
@@ -103,10 +103,9 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, *,
     async def refused(request: Request) -> Response | None:
         """The models and their limits are for clients with a key, where one is required (as the generate routes)."""
         try:
-            await gateway.fleet.tenants.identify(request.scope["headers"], request.scope.get("client"))
-        except GatewayError as error:
-            return Response(error.json(), status_code=error.status, media_type="application/json",
-                            headers={"www-authenticate": "Bearer"})
+            await identify(gateway, request.scope)
+        except Refused as refused:
+            return error_response(refused.error, refused.headers)
         return None
 
     async def list_models(request: Request) -> Response:

@@ -14,7 +14,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
                       model_validator)
 
-from gateway.admission.chat import APPLY_CHAT_TEMPLATE_PARAMETERS, SGLANG_HANDLED_KWARGS
+from gateway.admission.chat import NOT_TEMPLATE_VARIABLES
 
 
 class ConfigError(Exception):
@@ -255,9 +255,7 @@ class ModelConfig(_Strict):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, names: list[str] | None) -> list[str] | None:
-        # `documents` is a parameter of apply_chat_template, but it only feeds the template variable of that name.
-        forbidden = sorted(set(names or ()) & ((APPLY_CHAT_TEMPLATE_PARAMETERS - {"documents"})
-                                                | SGLANG_HANDLED_KWARGS))
+        forbidden = sorted(set(names or ()) & NOT_TEMPLATE_VARIABLES)
         if forbidden:
             raise ValueError(f"{forbidden} change how the engine renders or tokenizes, not what the template "
                              "reads; they cannot be allowed")

@@ -16,8 +16,9 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.admission.requests import Route, UsageOptions
 from gateway.assemble import assembler_for
-from gateway.body import BodyTooLarge, EncodedBody, RequestBody, read_body
+from gateway.body import RequestBody
 from gateway.errors import GatewayError
+from gateway.intake import CLOSE, Headers, Refused, identify, receive_body, retry_after, throttle
 from gateway.lifecycle import ClientGone, Done, Failure, PDExchange
 from gateway.probe import is_probe
 from gateway.telemetry.record import RequestRecord
@@ -31,20 +32,19 @@ if TYPE_CHECKING:
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
-_CLOSE = [(b"connection", b"close")]
 _DONE_EVENT = b"data: [DONE]\n\n"
 # A usage object inside an OpenAI stream chunk (one level of nesting: prompt_tokens_details).
 _ANSWER_KEPT = 1 << 18  # bytes of a sampled answer kept for the provenance check
 _USAGE = re.compile(rb',"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
 
 
-async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    all_headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *(headers or ())]
+async def send_json(send: Send, status: int, body: bytes, headers: Headers = ()) -> None:
+    all_headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *headers]
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_error(send: Send, error: GatewayError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_error(send: Send, error: GatewayError, headers: Headers = ()) -> None:
     await send_json(send, error.status, error.json(), headers)
 
 
@@ -80,7 +80,7 @@ class GenerateEndpoint:
             return
         if self.gateway.shutting_down:
             await self._refuse(send, record, GatewayError(503, "the gateway is shutting down", code="shutting_down"),
-                               [*_CLOSE, (b"retry-after", b"1")])
+                               [*CLOSE, (b"retry-after", b"1")])
             return
         if self.gateway.fleet.closed:
             await self._refuse(send, record, StateDown(), [(b"retry-after", b"1")])
@@ -104,27 +104,12 @@ class GenerateEndpoint:
         """Read, count and check the request, and dispatch it; or answer the error and return None."""
         gateway = self.gateway
         try:
-            tenant = CANARY if record.probe else await gateway.fleet.tenants.identify(scope["headers"],
-                                                                                    scope.get("client"))
-        except GatewayError as error:  # before the body is read: an unknown client costs nothing more
-            await self._refuse(send, record, error, _retry_after(error) or [(b"www-authenticate", b"Bearer")])
-            return None
-        record.tenant = tenant.name
-        try:
-            gateway.fleet.limiter.check(tenant)  # a throttled tenant's body is not even read
-        except RateLimited as error:
-            await self._refuse(send, record, error, _retry_after(error))
-            return None
-        try:
-            async with asyncio.timeout(gateway.config.timeouts.client_body_s):
-                await read_body(scope, receive, body, gateway.config.max_body_bytes)
-        except TimeoutError:
-            await self._refuse(send, record, GatewayError(
-                408, f"the request body did not arrive within {gateway.config.timeouts.client_body_s:g}s",
-                code="request_timeout"), _CLOSE)
-            return None
-        except (BodyTooLarge, EncodedBody) as error:
-            await self._refuse(send, record, error, _CLOSE)
+            tenant = CANARY if record.probe else await identify(gateway, scope)
+            record.tenant = tenant.name
+            throttle(gateway, tenant)
+            await receive_body(gateway, scope, receive, body)
+        except Refused as refused:
+            await self._refuse(send, record, refused.error, refused.headers)
             return None
         except ConnectionAbortedError:
             return None
@@ -137,7 +122,7 @@ class GenerateEndpoint:
             record.admission_s = time.perf_counter() - started
             tenant_pass = await gateway.fleet.limiter.admit(tenant, admitted.most_prompt_tokens)
         except (RateLimited, StateDown) as error:
-            await self._refuse(send, record, error, _retry_after(error))
+            await self._refuse(send, record, error, retry_after(error))
             return None
         except GatewayError as error:
             await self._refuse(send, record, error)
@@ -181,16 +166,10 @@ class GenerateEndpoint:
                                 request_id=record.request_id, tenant_pass=tenant_pass, cache_salt=salt)
 
     @staticmethod
-    async def _refuse(send: Send, record: RequestRecord, error: GatewayError,
-                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    async def _refuse(send: Send, record: RequestRecord, error: GatewayError, headers: Headers = ()) -> None:
         """Answer an error before any engine saw the request."""
         record.refused = error
         await send_error(send, error, headers)
-
-
-def _retry_after(error: GatewayError) -> list[tuple[bytes, bytes]]:
-    seconds = error.retry_after_s
-    return [(b"retry-after", str(seconds).encode())] if seconds is not None else []
 
 
 def _count_header(exchange: PDExchange) -> list[tuple[bytes, bytes]]:
@@ -223,7 +202,7 @@ async def _relay_stream(exchange: PDExchange, send: Send) -> None:
             return
         case Failure(error):
             # Nothing was sent yet, so the failure keeps its own status code.
-            await send_error(send, error, _retry_after(error))
+            await send_error(send, error, retry_after(error))
             return
     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + _count_header(exchange)})
     while True:
@@ -271,7 +250,7 @@ async def _relay_whole(exchange: PDExchange, send: Send) -> None:
                     await send_json(send, 200, assembler.body(), _count_header(exchange))
                 return
             case Failure(error):
-                await send_error(send, error, _retry_after(error))
+                await send_error(send, error, retry_after(error))
                 return
             case ClientGone():
                 return

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
-from gateway.admission.chat import APPLY_CHAT_TEMPLATE_PARAMETERS, ChatSettings, with_engine_defaults
+from gateway.admission.chat import NOT_TEMPLATE_VARIABLES, ChatSettings, with_engine_defaults
 from gateway.admission.dialects import Dialect, dialect_for
 from gateway.admission.offload import AdmissionWorkers, ModelState
 from gateway.admission.pipeline import admit_body, build_admission, resolve_model
@@ -139,7 +139,7 @@ def model_spec(config: ModelConfig) -> ModelSpec:
         breaker=BreakerSpec(breaker.failure_threshold, breaker.success_threshold, breaker.open_s),
         checks=CheckPolicy(**config.deployment_checks.model_dump(),
                            chat_template_configured=config.chat_template is not None,
-                           unmergeable_template_kwargs=APPLY_CHAT_TEMPLATE_PARAMETERS - {"documents"}))
+                           unmergeable_template_kwargs=NOT_TEMPLATE_VARIABLES))
 
 
 def _plausibility(config: ModelConfig) -> TTFTPlausibility | None:

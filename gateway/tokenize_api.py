@@ -23,16 +23,12 @@ from starlette.routing import Route
 from gateway.admission.admit import Admission
 from gateway.admission.pipeline import resolve_model
 from gateway.admission.tokenize import Kind, answer
-from gateway.body import BodyTooLarge, EncodedBody, RequestBody, read_body
+from gateway.body import RequestBody
 from gateway.errors import GatewayError
-from gateway.tenancy.errors import RateLimited
+from gateway.intake import CLOSE, Refused, error_response, identify, receive_body, throttle
 
 if TYPE_CHECKING:
     from gateway.runtime import Gateway
-
-def _error(error: GatewayError, headers: dict[str, str] | None = None) -> Response:
-    return Response(error.json(), status_code=error.status, media_type="application/json", headers=headers)
-
 
 class TokenizeApi:
     def __init__(self, gateway: Gateway) -> None:
@@ -51,32 +47,20 @@ class TokenizeApi:
     async def _serve(self, kind: Kind, request: Request) -> Response:
         gateway = self.gateway
         if gateway.shutting_down:
-            return _error(GatewayError(503, "the gateway is shutting down", code="shutting_down"),
-                          {"retry-after": "1", "connection": "close"})
+            return error_response(GatewayError(503, "the gateway is shutting down", code="shutting_down"),
+                          [*CLOSE, (b"retry-after", b"1")])
         try:
-            tenant = await gateway.fleet.tenants.identify(request.scope["headers"], request.scope.get("client"))
-            gateway.fleet.limiter.check(tenant)  # a throttled tenant's body is not even read
-        except RateLimited as error:
-            return _error(error, {"retry-after": str(error.retry_after_s)} if error.retry_after_s else None)
-        except GatewayError as error:  # before the body is read: an unknown client costs nothing more
-            return _error(error, {"retry-after": str(error.retry_after_s)} if error.retry_after_s
-                          else {"www-authenticate": "Bearer"})
-        with RequestBody() as body:
-            try:
-                async with asyncio.timeout(gateway.config.timeouts.client_body_s):
-                    await read_body(request.scope, request.receive, body, gateway.config.max_body_bytes)
-            except TimeoutError:
-                return _error(GatewayError(408, "the request body did not arrive within "
-                                           f"{gateway.config.timeouts.client_body_s:g}s", code="request_timeout"),
-                              {"connection": "close"})
-            except (BodyTooLarge, EncodedBody) as error:
-                return _error(error, {"connection": "close"})
-            except ConnectionAbortedError:
-                return Response(status_code=499)  # nobody is listening; nothing is logged as an error
-            try:
+            tenant = await identify(gateway, request.scope)
+            throttle(gateway, tenant)
+            with RequestBody() as body:
+                await receive_body(gateway, request.scope, request.receive, body)
                 payload = await self._answer(kind, body, tenant.name)
-            except GatewayError as error:
-                return _error(error)
+        except Refused as refused:
+            return error_response(refused.error, refused.headers)
+        except GatewayError as error:
+            return error_response(error)
+        except ConnectionAbortedError:
+            return Response(status_code=499)  # nobody is listening; nothing is logged as an error
         return Response(payload, media_type="application/json")
 
     async def _answer(self, kind: Kind, body: RequestBody, tenant: str) -> bytes:

@@ -27,6 +27,10 @@ APPLY_CHAT_TEMPLATE_PARAMETERS = frozenset({
 })
 # Keys SGLang takes out of chat_template_kwargs itself (serving_chat.py: _convert_to_internal_request).
 SGLANG_HANDLED_KWARGS = frozenset({"reasoning_effort"})
+# Keys of chat_template_kwargs that change how the engine renders or tokenizes, not what the template reads: never
+# allowed to a client, never merged as an engine's default. (`documents` is a parameter of apply_chat_template, but
+# it only feeds the template variable of that name.)
+NOT_TEMPLATE_VARIABLES = (APPLY_CHAT_TEMPLATE_PARAMETERS - {"documents"}) | SGLANG_HANDLED_KWARGS
 
 _GENERIC_ROLES = frozenset({"system", "assistant", "tool", "function", "developer"})
 # Values valid for `reasoning_effort` in every dialect (0.5.8 accepts only these three).

@@ -1,0 +1,70 @@
+"""A client request's way in, the same on every route that reads a body or says what is served: who asks (API key →
+tenant: 401 before the body), whether it is throttled (429 before the body), and its body, capped and timed (413,
+415, 408) — before anything in it is parsed. A route that skips this is a way around the tenant checks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope
+
+from gateway.body import BodyTooLarge, EncodedBody, RequestBody, read_body
+from gateway.errors import GatewayError
+from gateway.tenancy.errors import RateLimited
+from gateway.tenancy.tenants import Tenant
+
+if TYPE_CHECKING:
+    from gateway.runtime import Gateway
+
+Headers = Sequence[tuple[bytes, bytes]]
+CLOSE: Headers = ((b"connection", b"close"),)
+
+
+class Refused(Exception):
+    """Answer `error` with `headers`: the request goes no further."""
+
+    def __init__(self, error: GatewayError, headers: Headers) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.headers = headers
+
+
+def error_response(error: GatewayError, headers: Headers = ()) -> Response:
+    """The error as a starlette response (the generate routes write theirs to the ASGI `send` directly)."""
+    return Response(error.json(), status_code=error.status, media_type="application/json",
+                    headers={name.decode(): value.decode() for name, value in headers})
+
+
+def retry_after(error: GatewayError) -> list[tuple[bytes, bytes]]:
+    seconds = error.retry_after_s
+    return [(b"retry-after", str(seconds).encode())] if seconds is not None else []
+
+
+async def identify(gateway: Gateway, scope: Scope) -> Tenant:
+    try:
+        return await gateway.fleet.tenants.identify(scope["headers"], scope.get("client"))
+    except GatewayError as error:  # before the body is read: an unknown client costs nothing more
+        raise Refused(error, retry_after(error) or ((b"www-authenticate", b"Bearer"),)) from None
+
+
+def throttle(gateway: Gateway, tenant: Tenant) -> None:
+    try:
+        gateway.fleet.limiter.check(tenant)  # a throttled tenant's body is not even read
+    except RateLimited as error:
+        raise Refused(error, retry_after(error)) from None
+
+
+async def receive_body(gateway: Gateway, scope: Scope, receive: Receive, body: RequestBody) -> None:
+    """The body into `body`; ConnectionAbortedError when the client leaves first."""
+    timeout_s = gateway.config.timeouts.client_body_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            await read_body(scope, receive, body, gateway.config.max_body_bytes)
+    except TimeoutError:
+        raise Refused(GatewayError(408, f"the request body did not arrive within {timeout_s:g}s",
+                                   code="request_timeout"), CLOSE) from None
+    except (BodyTooLarge, EncodedBody) as error:
+        raise Refused(error, CLOSE) from None
