@@ -42,9 +42,26 @@ class TimeoutsConfig(_Strict):
     client_body_s: float = Field(30.0, gt=0, description="a client's request head, then its whole body")
 
 
+class KvEventsConfig(_Strict):
+    """Where a prefill engine publishes its KV events (SGLang `--kv-events-config`), as kvgate connects to it."""
+
+    endpoint: str = Field(description="the PUB socket, e.g. tcp://10.0.0.5:5557 (port + rank for each DP rank)")
+    replay_endpoint: str | None = Field(None, description="the ROUTER replay socket, e.g. tcp://10.0.0.5:5558")
+    topic: str = ""
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"expected a tcp:// or ipc:// ZMQ endpoint, got {value!r}")
+        return value
+
+
 class PrefillWorkerConfig(_Strict):
     url: str
     bootstrap_port: int | None = Field(8998, ge=1, le=65535)
+    kv_events: KvEventsConfig | None = Field(None, description="cache_aware: the engine's KV events (default: read "
+                                                               "from its /server_info kv_events_config)")
 
     @field_validator("url")
     @classmethod
@@ -113,7 +130,7 @@ def _validate_worker_url(url: str) -> str:
 
 
 PolicyName = Literal["round_robin", "random", "least_outstanding", "power_of_two", "prefix_affinity",
-                     "session_affinity"]
+                     "session_affinity", "cache_aware", "kv_headroom"]
 
 
 class RoutingConfig(_Strict):
@@ -127,12 +144,28 @@ class RoutingConfig(_Strict):
     load_poll_s: float = Field(2.0, gt=0, description="power_of_two: how often engines' loads are read; a reading "
                                                        "older than 3 intervals is not trusted")
     retries: int = Field(2, ge=0, le=5, description="other pairs tried when a worker provably never got the request")
+    cache_aware_tokens: int = Field(65536, ge=64, le=1 << 20, description="cache_aware: leading prompt tokens "
+                                                                          "matched against the prefills' caches")
 
     @model_validator(mode="after")
     def _session_needs_header(self) -> RoutingConfig:
         if "session_affinity" in (self.prefill_policy, self.decode_policy) and not self.affinity_header:
             raise ValueError("session_affinity needs affinity_header")
+        if self.decode_policy == "cache_aware":
+            raise ValueError("cache_aware is a prefill_policy (a decode computes no prompt)")
+        if self.prefill_policy == "kv_headroom":
+            raise ValueError("kv_headroom is a decode_policy (it weighs the decode preallocation queue)")
         return self
+
+    @property
+    def reads_engine_loads(self) -> bool:
+        """Whether a policy needs the engines' own `/v1/loads`."""
+        return bool({"power_of_two", "kv_headroom"} & {self.prefill_policy, self.decode_policy})
+
+    @property
+    def needs_prompt_sizes(self) -> bool:
+        """Whether a policy routes by the prompt's token ids or sizes (`RouteKey.prompt`)."""
+        return self.prefill_policy == "cache_aware" or self.decode_policy == "kv_headroom"
 
     @field_validator("affinity_header")
     @classmethod
@@ -237,6 +270,11 @@ class ModelConfig(_Strict):
 
     def dns_workers(self, role: Literal["prefill", "decode"]) -> list[DnsWorkersConfig]:
         return [w for w in (self.prefill if role == "prefill" else self.decode) if isinstance(w, DnsWorkersConfig)]
+
+    @property
+    def kv_events_endpoints(self) -> dict[str, KvEventsConfig]:
+        """Prefill workers' KV events as configured, by URL (others: as their engines report them)."""
+        return {w.url: w.kv_events for w in self.prefill if isinstance(w, PrefillWorkerConfig) and w.kv_events}
 
     @property
     def configured_prompt_limit(self) -> int:

@@ -776,6 +776,17 @@ class PDExchange:
         if not self._prefill_settled.is_set():
             self.prefill_settled_at = time.monotonic()
             self._prefill_settled.set()
+            self._lease.prefill_done()  # its work no longer queues on the engine (the cache-aware policy weighs it)
+
+    @property
+    def predicted_cached(self) -> int | None:
+        """Prompt tokens the cache-aware pick expected the prefill to hold (None: no prediction made)."""
+        return self._lease.predicted_cached
+
+    @property
+    def prefill_cached(self) -> int | None:
+        """Prompt tokens the prefill reported taking from its cache (None: not reported)."""
+        return self._prefill_cached
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,18 @@ def restart_needed(old: GatewayConfig, new: GatewayConfig) -> list[str]:
             problems.append(f"models.{before.name}: dns worker entries changed")
         if _prefix_tokens(before) != _prefix_tokens(after):
             problems.append(f"models.{before.name}: prefix hashing changed (prefix_affinity or prefix_tokens)")
+        if _cache_routing(before) != _cache_routing(after):
+            problems.append(f"models.{before.name}: cache-aware routing changed (cache_aware, cache_aware_tokens, "
+                            "kv_headroom or a worker's kv_events)")
     return problems
+
+
+def _cache_routing(model: ModelConfig) -> tuple[object, ...]:
+    """What admission computes for cache-aware routing, and what the gateway subscribes to."""
+    routing = model.routing
+    events = tuple(sorted((url, str(events)) for url, events in model.kv_events_endpoints.items()))
+    return (routing.cache_aware_tokens if routing.prefill_policy == "cache_aware" else None,
+            routing.needs_prompt_sizes, events if routing.prefill_policy == "cache_aware" else ())
 
 
 def _prefix_tokens(model: ModelConfig) -> int | None:

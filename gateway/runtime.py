@@ -42,6 +42,9 @@ from routing.loads import LoadPoller
 from routing.membership import Membership
 from routing.monitor import WorkerMonitor
 from routing.policies import NO_KEY, RouteKey, make_policy
+from routing.prefix_index import PromptTokens
+from routing.prefix_index.subscriber import EventsEndpoint
+from routing.prefix_index.tracking import CacheTracking
 from routing.pools import Lease, ModelPool, NoWorkerAvailable, PoolSaturated, pool_for
 from routing.retry_budget import RetryBudget
 from routing.specs import HealthSpec, ModelSpec, PoolLimits
@@ -70,6 +73,7 @@ class ServedModel:
     disabled: bool = False  # the fleet-wide kill switch: an operator turned the model off (503)
     _chat_with_defaults: tuple[str, ChatSettings, ChatSettings] | None = None  # (defaults, base, applied)
     fleet_limit: int | None = None  # the lowest prompt limit any live replica's gate measured
+    cache_tracking: CacheTracking | None = None  # cache_aware: the prefills' cache indexes and KV-event subscribers
 
     @property
     def refusal(self) -> str | None:
@@ -109,11 +113,16 @@ class ServedModel:
         if header is not None:
             value = next((v for k, v in headers if k == header), None)
             session = stable_hash(value) if value is not None else None
-        if admitted.prefix_hash is None and session is None:
+        prompt = None
+        if self.config.routing.needs_prompt_sizes:
+            # The namespace is the engines' own (the extra_key both halves carry): SGLang caches per it.
+            prompt = PromptTokens(admitted.route_ids or b"", tokens=admitted.most_prompt_tokens, namespace=salt,
+                                  max_new_tokens=admitted.max_new_tokens)
+        if admitted.prefix_hash is None and session is None and prompt is None:
             return NO_KEY
         prefix = None if admitted.prefix_hash is None else \
             stable_hash(admitted.prefix_hash.to_bytes(8, "little"), salt.encode())
-        return RouteKey(prefix=prefix, session=session)
+        return RouteKey(prefix=prefix, session=session, prompt=prompt)
 
     @property
     def affinity_header(self) -> bytes | None:
@@ -240,6 +249,11 @@ class Gateway:
             for name, spec in await initial_specs(resolver, sources):
                 pool = self.models[name].pool
                 pool.add(pool.new_worker(spec))
+        for model in self.models.values():
+            self._track_caches(model)
+        self.metrics.watch_kv_events(lambda: [(m.name, w, sub) for m in self.models.values()
+                                              if m.cache_tracking is not None
+                                              for w, sub in m.cache_tracking.subscribers.items()])
         self.monitor = WorkerMonitor(
             self.engines, [(m.spec, m.pool, health_spec(self.config.health_of(m.config))) for m in self.models.values()],
             self._apply_judgement)
@@ -259,13 +273,23 @@ class Gateway:
             self.discovery.start()
         await self.fleet.start(self._fleet_report, self._apply_fleet_view)
 
+    def _track_caches(self, model: ServedModel) -> None:
+        """cache_aware: every prefill worker gets a cache index, and a KV-event subscriber where events are there."""
+        if model.config.routing.prefill_policy != "cache_aware":
+            return
+        configured = {url: EventsEndpoint(e.endpoint, e.replay_endpoint, e.topic)
+                      for url, e in model.config.kv_events_endpoints.items()}
+        tracking = model.cache_tracking = CacheTracking(
+            configured=configured, liveness_s=self.config.health_of(model.config).interval_s)
+        model.pool.follow(tracking.attach, tracking.detach)
+
     async def _poll_loads(self, model: ServedModel) -> None:
-        """Engines' own loads are read while, and only while, a power_of_two policy uses them."""
+        """Engines' own loads are read while, and only while, a policy uses them (power_of_two, kv_headroom)."""
         routing = model.config.routing
         running = self.load_pollers.pop(model.name, None)
         if running is not None:
             await running.stop()
-        if "power_of_two" in (routing.prefill_policy, routing.decode_policy):
+        if routing.reads_engine_loads:
             assert self.engines is not None
             poller = LoadPoller(self.engines, lambda pool=model.pool: pool.workers, interval_s=routing.load_poll_s)
             poller.start()
@@ -289,6 +313,9 @@ class Gateway:
         await self.loop_lag.stop()
         if self.discovery is not None:
             await self.discovery.stop()
+        for model in self.models.values():
+            if model.cache_tracking is not None:
+                await model.cache_tracking.stop()
         for poller in self.load_pollers.values():
             await poller.stop()
         if self.monitor is not None:

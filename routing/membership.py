@@ -53,6 +53,11 @@ class Member:
                                                    "version": identity.version},
             "checks": [{"check": c.check, "result": c.result, "value": c.value, "safe": c.safe, "policy": c.policy}
                        for c in w.checks],
+            "prefill_backlog_tokens": w.prefill_backlog, "reserved_tokens": w.reserved_tokens,
+            "cache": None if w.cache_index is None else {
+                "mode": w.cache_index.mode.value, "block_tokens": w.cache_index.block_tokens,
+                "capacity_blocks": w.cache_index.capacity_blocks, "sent_blocks": w.cache_index.sent_blocks,
+                "held_blocks": w.cache_index.held_blocks},
         }
 
 

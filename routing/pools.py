@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from routing.breaker import BreakerSpec, Ticket
 from routing.policies import NO_KEY, Policy, RouteKey
 from routing.policies.round_robin import RoundRobin
+from routing.prefix_index import PromptTokens
 from routing.specs import ModelSpec, PoolLimits
 from routing.workers import Role, Worker, WorkerSpec
 
@@ -26,23 +27,36 @@ class WorkerPair:
 
 class Lease:
     """A pair with one request counted on each of its workers until `release()`: taken in the same step as the pick,
-    so two requests woken together cannot both take the last slot."""
+    so two requests woken together cannot both take the last slot. With the prompt's sizes known (`RouteKey.prompt`),
+    it also counts the prefill's uncached work until `prefill_done()` and the KV the request may take on decode."""
 
-    __slots__ = ("pair", "_tickets", "_held")
+    __slots__ = ("pair", "predicted_cached", "_tickets", "_held", "_prefill_work", "_decode_tokens")
 
-    def __init__(self, pair: WorkerPair) -> None:
+    def __init__(self, pair: WorkerPair, prompt: PromptTokens | None = None) -> None:
         self.pair = pair
-        self._tickets = (pair.prefill.begin_request(), pair.decode.begin_request())
+        # Prompt tokens the cache-aware pick expected the prefill to hold (None: no prediction was made).
+        self.predicted_cached = prompt.predicted_cached if prompt is not None and prompt.ids else None
+        self._prefill_work = prompt.tokens - prompt.predicted_cached if prompt is not None else 0
+        self._decode_tokens = prompt.tokens + prompt.max_new_tokens if prompt is not None else 0
+        self._tickets = (pair.prefill.begin_request(prefill_tokens=self._prefill_work),
+                         pair.decode.begin_request(reserve_tokens=self._decode_tokens))
         self._held = True
 
     def ticket(self, worker: Worker) -> Ticket:
         """What `worker`'s breaker handed this request (its outcome is reported with it)."""
         return self._tickets[0] if worker is self.pair.prefill else self._tickets[1]
 
+    def prefill_done(self) -> None:
+        """Prefill answered (or never will): its work no longer queues on the engine."""
+        if self._prefill_work:
+            self.pair.prefill.end_prefill(self._prefill_work)
+            self._prefill_work = 0
+
     def release(self) -> None:
         if self._held:
             self._held = False
-            self.pair.decode.end_request(self._tickets[1])
+            self.prefill_done()
+            self.pair.decode.end_request(self._tickets[1], reserve_tokens=self._decode_tokens)
             self.pair.prefill.end_request(self._tickets[0])
 
 
@@ -80,6 +94,8 @@ class ModelPool:
                                               "decode": decode_policy or RoundRobin()}
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._woken = 0  # waiters woken that have not run yet: a slot freed for them is theirs
+        self._on_add: list[Callable[[Worker], None]] = []
+        self._on_remove: list[Callable[[Worker], None]] = []
         for worker in [*prefill, *decode]:
             self.add(worker)
 
@@ -109,12 +125,23 @@ class ModelPool:
     def add(self, worker: Worker) -> None:
         (self.prefill if worker.role == "prefill" else self.decode).append(worker)
         worker.on_capacity(self._wake_one)
+        for callback in self._on_add:
+            callback(worker)
         self._wake_one(worker)
 
     def remove(self, worker: Worker) -> None:
         members = self.prefill if worker.role == "prefill" else self.decode
         if worker in members:
             members.remove(worker)
+            for callback in self._on_remove:
+                callback(worker)
+
+    def follow(self, on_add: Callable[[Worker], None], on_remove: Callable[[Worker], None]) -> None:
+        """`on_add(worker)` for every worker in the pool now and added later; `on_remove` for each one removed."""
+        self._on_add.append(on_add)
+        self._on_remove.append(on_remove)
+        for worker in self.workers:
+            on_add(worker)
 
     def ready(self) -> bool:
         return any(w.usable for w in self.prefill) and any(w.usable for w in self.decode)
@@ -176,7 +203,7 @@ class ModelPool:
         prefill_ready, decode_ready = self._check_roles(exclude)
         prefill = self._pick_role("prefill", prefill_ready, key)
         decode = self._pick_role("decode", decode_ready, key)
-        return Lease(WorkerPair(prefill, decode))
+        return Lease(WorkerPair(prefill, decode), key.prompt)
 
     def _check_roles(self, exclude: Collection[Worker] = ()) -> tuple[list[Worker], list[Worker]]:
         """Each role's workers in rotation; NoWorkerAvailable when a role has none (checked before any capacity)."""

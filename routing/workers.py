@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 from routing.breaker import BreakerSpec, BreakerState, CircuitBreaker, Ticket
 from routing.deployment_checks import CheckOutcome
 from routing.engines.identity import EngineIdentity
+from routing.engine_load import EngineLoad
+from routing.prefix_index import CacheIndex
 from routing.stable_hash import stable_hash
 
 Role = Literal["prefill", "decode"]
@@ -57,8 +59,13 @@ class Worker:
         self._breaker = CircuitBreaker(breaker)
         self._max_inflight = max_inflight
         self._draining = False
-        self._engine_load: tuple[float, int] | None = None  # (when read, KV tokens in use or queued)
+        self._engine_load: tuple[float, EngineLoad] | None = None  # (when read, what the engine said)
         self._checks: tuple[CheckOutcome, ...] = ()
+        self._prefill_backlog = 0  # prompt tokens this gateway sent that the engine has yet to prefill (uncached)
+        self._reserved_tokens = 0  # prompt + max new tokens of this gateway's requests in flight on the engine
+        # A prefill's radix cache as kvgate knows it (routing.prefix_index); None until a cache-aware policy asks.
+        self.cache_index: CacheIndex | None = None
+        self._on_join: Callable[[Worker], None] | None = None
 
     def __repr__(self) -> str:
         return f"Worker({self.role} {self.url})"
@@ -119,10 +126,29 @@ class Worker:
 
     def engine_load(self, max_age_s: float) -> int | None:
         """The engine's own load (KV tokens in use or queued) if read within `max_age_s`; stale data is not trusted."""
+        reading = self._engine_reading(max_age_s)
+        return reading.tokens if reading is not None else None
+
+    def engine_used_tokens(self, max_age_s: float) -> int | None:
+        """KV tokens the engine has in use, if read within `max_age_s`."""
+        reading = self._engine_reading(max_age_s)
+        return reading.used_tokens if reading is not None else None
+
+    def _engine_reading(self, max_age_s: float) -> EngineLoad | None:
         reading = self._engine_load
         if reading is None or time.monotonic() - reading[0] > max_age_s:
             return None
         return reading[1]
+
+    @property
+    def prefill_backlog(self) -> int:
+        """Uncached prompt tokens of this gateway's requests the engine has not finished prefilling: its queue."""
+        return self._prefill_backlog
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens this gateway's requests in flight may hold on the engine (prompt + max new tokens each)."""
+        return self._reserved_tokens
 
     # ── transitions ─────────────────────────────────────────────────────────────────────────────────────────
     def accept(self, identity: EngineIdentity) -> None:
@@ -133,6 +159,8 @@ class Worker:
         self._verified = identity
         self._out_reason = ""
         if joining:
+            if self._on_join is not None:  # maybe another engine process than before: nothing of its cache is known
+                self._on_join(self)
             self._capacity_changed()
 
     def refuse(self, reason: str) -> None:
@@ -187,8 +215,12 @@ class Worker:
     def note_fleet_load(self, elsewhere: int) -> None:
         self._in_flight_elsewhere = max(0, elsewhere)
 
-    def record_engine_load(self, tokens: int) -> None:
-        self._engine_load = (time.monotonic(), tokens)
+    def record_engine_load(self, load: EngineLoad | int) -> None:
+        self._engine_load = (time.monotonic(), EngineLoad(load) if isinstance(load, int) else load)
+
+    def on_join(self, callback: Callable[[Worker], None]) -> None:
+        """`callback(worker)` runs whenever the worker (re)joins rotation, before it takes a request."""
+        self._on_join = callback
 
     def drain(self) -> None:
         """No new requests; those in flight finish."""
@@ -218,13 +250,20 @@ class Worker:
         finally:
             self.end_request(ticket)
 
-    def begin_request(self) -> Ticket:
-        """One more request on this worker (while the breaker is half-open, it is the probe)."""
+    def begin_request(self, *, reserve_tokens: int = 0, prefill_tokens: int = 0) -> Ticket:
+        """One more request on this worker (while the breaker is half-open, it is the probe), which may hold
+        `reserve_tokens` of its KV and leaves it `prefill_tokens` to compute (until `end_prefill`)."""
         self._in_flight += 1
+        self._reserved_tokens += reserve_tokens
+        self._prefill_backlog += prefill_tokens
         return self._breaker.on_dispatch()
 
-    def end_request(self, ticket: Ticket) -> None:
+    def end_prefill(self, prefill_tokens: int) -> None:
+        self._prefill_backlog -= prefill_tokens
+
+    def end_request(self, ticket: Ticket, *, reserve_tokens: int = 0) -> None:
         self._in_flight -= 1
+        self._reserved_tokens -= reserve_tokens
         self._breaker.release(ticket)
         self._capacity_changed()
 

@@ -12,6 +12,7 @@ import asyncio
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import orjson
@@ -21,12 +22,15 @@ from gateway.admission.chat_template import ChatTemplate, RenderFailed
 from gateway.admission.counting import CountResult, TokenCounter, UnencodableText
 from gateway.admission.dialects import Dialect, dialect_for
 from gateway.admission.tokenizer import ModelTokenizer
+from gateway.admission.prompt_ids import PromptIds
 from gateway.admission.requests import ClientRequest, IdsPrompt, Route, TextPrompt, UsageOptions
 from gateway.errors import bad_request, context_length_exceeded
+from routing.prefix_index.blocks import ids_to_bytes
 from routing.stable_hash import stable_hash
 
 T = TypeVar("T")
 PREFIX_WINDOW_CHARS = 16384  # the most of a prompt read for its prefix hash (~4 ms of encoding)
+ROUTE_IDS_INLINE_CHARS = 8192  # longer prompts get their routing ids in a thread (cached pieces make most cheap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,9 @@ class AdmittedRequest:
     cache_salt: str | None = None  # the client's own salt: it only subdivides its tenant's prefix-cache namespace
     # A chat: the engines' default template kwargs it was rendered with (JSON; None: none). Not a chat: unused.
     engine_defaults_json: str | None = None
+    # The prompt's first token ids as the engine sees them (routing.prefix_index.blocks.ids_to_bytes), for the
+    # cache-aware policy; None when no policy of the model needs them.
+    route_ids: bytes | None = None
 
     def prompt_tokens_for(self, engine_version: str) -> int | None:
         """The gateway's count as an engine of that version renders the prompt (None: not counted for it)."""
@@ -75,10 +82,14 @@ class Admission:
     """Counts and checks one model's prompts."""
 
     def __init__(self, model: str, tokenizer: ModelTokenizer, counter: TokenCounter, template: ChatTemplate,
-                 chat: ChatSettings, limits: PromptLimits, *, prefix_tokens: int | None = None) -> None:
-        """`prefix_tokens`: hash that many leading token ids of each prompt (a prefix-affinity policy routes by it)."""
+                 chat: ChatSettings, limits: PromptLimits, *, prefix_tokens: int | None = None,
+                 route_tokens: int | None = None) -> None:
+        """`prefix_tokens`: hash that many leading token ids of each prompt (a prefix-affinity policy routes by it);
+        `route_tokens`: keep that many leading token ids of each prompt (the cache-aware policy matches them)."""
         self.model = model
         self.prefix_tokens = prefix_tokens
+        self.route_tokens = route_tokens
+        self._prompt_ids = PromptIds(tokenizer, counter.splitter) if route_tokens else None
         self.tokenizer = tokenizer
         self.counter = counter
         self.template = template
@@ -115,11 +126,22 @@ class Admission:
             fields["max_tokens"] = max_new
         body = await _maybe_off_loop(orjson.dumps, fields, large=off_loop)
         prefix = self._prefix_hash(head, request.cache_salt) if self.prefix_tokens else None
+        route_ids = await self._route_ids(head, tenant, large=off_loop) if self.route_tokens else None
         return AdmittedRequest(request.route, self.model, request.stream, body, counts, max_new, request.usage,
                                prefix, merge_logprobs=request.route == "/generate"
                                and fields.get("return_logprob") is True, cache_salt=request.cache_salt,
                                engine_defaults_json=request.prompt.engine_defaults_json
-                               if isinstance(request.prompt, ChatPrompt) else None)
+                               if isinstance(request.prompt, ChatPrompt) else None, route_ids=route_ids)
+
+    async def _route_ids(self, head: PromptHead, tenant: str, *, large: bool) -> bytes:
+        n = self.route_tokens
+        assert n is not None and self._prompt_ids is not None
+        if isinstance(head, list):
+            return ids_to_bytes(head[:n])
+        text, special = head
+        # New text is encoded (~0.25 µs a character): off the loop once it could take more than a few ms.
+        return await _maybe_off_loop(partial(self._prompt_ids.ids, text, tenant=tenant, special=special,
+                                             max_tokens=n), large=large or len(text) > ROUTE_IDS_INLINE_CHARS)
 
     def _prefix_hash(self, head: PromptHead, salt: str | None) -> int:
         """A hash of the prompt's first `prefix_tokens` token ids as the engine sees them, and of cache_salt."""

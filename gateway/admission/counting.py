@@ -151,6 +151,11 @@ class TokenCounter:
         return max_bytes + self._extra(add_special_tokens) <= limit
 
     @property
+    def splitter(self) -> AddedTokenSplitter | None:
+        """The split at added tokens, where it is proven exact for this tokenizer."""
+        return self._splitter
+
+    @property
     def cache_stats(self) -> CacheStats:
         return self._cache.stats()
 

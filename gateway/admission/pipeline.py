@@ -80,5 +80,7 @@ def build_admission(config: ModelConfig, *, cache_bytes: int) -> Admission:
     routing = config.routing
     prefix_tokens = routing.prefix_tokens if "prefix_affinity" in (routing.prefill_policy, routing.decode_policy) \
         else None
+    route_tokens = routing.cache_aware_tokens if routing.prefill_policy == "cache_aware" else None
     return Admission(config.name, tokenizer, TokenCounter(tokenizer, cache_bytes=cache_bytes), template,
-                     ChatSettings(template.content_format, allowed), limits, prefix_tokens=prefix_tokens)
+                     ChatSettings(template.content_format, allowed), limits, prefix_tokens=prefix_tokens,
+                     route_tokens=route_tokens)

@@ -11,6 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.admission.count_cache import CacheStats
+from routing.prefix_index import CacheMode
+from routing.prefix_index.subscriber import KvEventSubscriber
 from routing.workers import Worker
 
 disable_created_metrics()  # no `_created` twin of every counter and histogram: twice the series, no use here
@@ -95,6 +97,15 @@ class GatewayMetrics:
             "any output was released", ["model", "role"], registry=r)
         self.retries = Counter("kvgate_retries", "Requests moved to another pair before anything reached an engine",
                                ["model"], registry=r)
+        # ── cache-aware routing: predicted against what the engines report ─────────────────────────────────────
+        self.routed_prompt_tokens = Counter("kvgate_prefilled_prompt_tokens", "Prompt tokens of requests whose "
+                                            "prefill answered (the denominator of the two below)", ["model"],
+                                            registry=r)
+        self.route_cached_predicted = Counter("kvgate_route_cached_tokens_predicted", "Prompt tokens the "
+                                              "cache-aware pick expected the chosen prefill to hold", ["model"],
+                                              registry=r)
+        self.prefill_cached = Counter("kvgate_prefill_cached_tokens", "Prompt tokens prefill engines reported "
+                                      "taking from their radix cache (cached_tokens)", ["model"], registry=r)
         # ── the KV-pool gate and the workers ────────────────────────────────────────────────────────────────
         self.worker_pool_tokens = Gauge("kvgate_worker_kv_pool_tokens", "KV pool size an engine reports",
                                         ["model", "worker", "role"], registry=r)
@@ -132,6 +143,9 @@ class GatewayMetrics:
 
     def watch_workers(self, workers: Callable[[], Iterable[tuple[str, Worker]]]) -> None:
         self.registry.register(_WorkerCollector(workers))
+
+    def watch_kv_events(self, subscribers: Callable[[], Iterable[tuple[str, Worker, KvEventSubscriber]]]) -> None:
+        self.registry.register(_KvEventsCollector(subscribers))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -181,3 +195,39 @@ class _WorkerCollector(Collector):
                 for result in _CHECK_RESULTS:
                     checks.add_metric([*key, outcome.check, result], 1 if outcome.result == result else 0)
         yield from (in_flight, healthy, in_rotation, breaker, checks)
+
+
+class _KvEventsCollector(Collector):
+    """Cache-aware routing's view of each prefill: which mode its index is in, what its KV events did, how big it is."""
+
+    def __init__(self, subscribers: Callable[[], Iterable[tuple[str, Worker, KvEventSubscriber]]]) -> None:
+        self._subscribers = subscribers
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        labels = ["model", "worker"]
+        mode = GaugeMetricFamily("kvgate_kv_events_mode", "1 for the mode the worker's cache index is in: exact "
+                                 "(every KV event since the engine's cache was empty), partial (events, history "
+                                 "missing), approximate (publisher down or silent: what kvgate sent)",
+                                 labels=[*labels, "mode"])
+        batches = CounterMetricFamily("kvgate_kv_events_batches", "KV event batches received", labels=labels)
+        malformed = CounterMetricFamily("kvgate_kv_events_malformed", "KV event messages skipped as malformed",
+                                        labels=labels)
+        gaps = CounterMetricFamily("kvgate_kv_events_gaps", "Sequence gaps, by whether replay filled them",
+                                   labels=[*labels, "outcome"])
+        restarts = CounterMetricFamily("kvgate_kv_events_publisher_restarts", "Publishers seen to start over",
+                                       labels=labels)
+        blocks = GaugeMetricFamily("kvgate_cache_index_blocks", "Blocks in the worker's cache index, by view (sent: "
+                                   "what kvgate sent; held: what the engine reports)", labels=[*labels, "view"])
+        for model, worker, subscriber in self._subscribers():
+            key = [model, worker.url]
+            for each in CacheMode:
+                mode.add_metric([*key, each.value], 1 if subscriber.mode is each else 0)
+            stats = subscriber.stats
+            batches.add_metric(key, stats.batches)
+            malformed.add_metric(key, stats.malformed)
+            gaps.add_metric([*key, "replayed"], stats.gaps_replayed)
+            gaps.add_metric([*key, "lost"], stats.gaps_lost)
+            restarts.add_metric(key, stats.restarts)
+            blocks.add_metric([*key, "sent"], subscriber.index.sent_blocks)
+            blocks.add_metric([*key, "held"], subscriber.index.held_blocks)
+        yield from (mode, batches, malformed, gaps, restarts, blocks)

@@ -66,6 +66,12 @@ def observe_exchange(metrics: GatewayMetrics, exchange: PDExchange) -> None:
         metrics.retries.labels(model).inc(exchange.retries_made)
     if exchange.mismatch is not None:
         metrics.prompt_mismatches.labels(model, exchange.mismatch.role).inc()
+    if outcome == "ok":  # both halves answered: the prompt was computed
+        metrics.routed_prompt_tokens.labels(model).inc(exchange.prompt_tokens)
+        if exchange.predicted_cached is not None:
+            metrics.route_cached_predicted.labels(model).inc(exchange.predicted_cached)
+        if exchange.prefill_cached is not None:
+            metrics.prefill_cached.labels(model).inc(exchange.prefill_cached)
 
 
 def _access_fields(record: RequestRecord, model: str, status: int) -> dict[str, object]:

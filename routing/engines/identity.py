@@ -70,6 +70,10 @@ class EngineIdentity:
     reserved_decode_tokens: int = 512
     settings: TransferSettings = TransferSettings()
     rendering: RenderingSettings = RenderingSettings()
+    # --kv-events-config as the engine runs it (JSON; None: it publishes no KV events), and how many publishers:
+    # one per attention data-parallel rank (ZmqEventPublisher, port + rank).
+    kv_events_config: str | None = None
+    event_ranks: int = 1
 
 
 def parse_identity(info: Any) -> EngineIdentity:
@@ -89,7 +93,25 @@ def parse_identity(info: Any) -> EngineIdentity:
         reserved_decode_tokens=int(info.get("num_reserved_decode_tokens") or 512),
         settings=_transfer_settings(info),
         rendering=_rendering_settings(info),
+        kv_events_config=_kv_events_config(info.get("kv_events_config")),
+        event_ranks=int(info.get("dp_size") or 1) if info.get("enable_dp_attention") else 1,
     )
+
+
+def _kv_events_config(value: Any) -> str | None:
+    """ServerArgs keep the flag's JSON string; a publisher of "null" (the default) publishes nothing."""
+    if isinstance(value, str) and value.strip():
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return None
+    elif isinstance(value, dict):
+        parsed = value
+    else:
+        return None
+    if not isinstance(parsed, dict) or parsed.get("publisher") in (None, "null"):
+        return None
+    return json.dumps(parsed, sort_keys=True)
 
 
 def _rendering_settings(info: dict[str, Any]) -> RenderingSettings:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 from routing.policies.affinity import PrefixAffinity, SessionAffinity
 from routing.policies.base import NO_KEY, Policy, RouteKey
+from routing.policies.cache_aware import CacheAware
+from routing.policies.kv_headroom import KvHeadroom
 from routing.policies.least_outstanding import LeastOutstanding
 from routing.policies.power_of_two import PowerOfTwo
 from routing.policies.random_choice import RandomChoice
@@ -20,6 +22,8 @@ POLICIES: dict[str, Callable[[float], Policy]] = {
     "power_of_two": lambda max_age_s: PowerOfTwo(max_age_s),
     "prefix_affinity": lambda _: PrefixAffinity(),
     "session_affinity": lambda _: SessionAffinity(),
+    "cache_aware": lambda _: CacheAware(),
+    "kv_headroom": lambda max_age_s: KvHeadroom(max_age_s),
 }
 
 

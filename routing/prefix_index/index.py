@@ -1,0 +1,203 @@
+"""One prefill worker's cache index.
+
+Two views, because SGLang's KV events cannot say whose pages they are: its published block hashes leave out the
+request's `extra_key` (0.5.8 `RadixCache._record_store_event` hashes token ids only, via `compute_node_hash_values`;
+0.5.23 `KvEventRecorder._namespace_seed` folds in `extra_key` only for LoRA adapters or `format: "dynamo"`), and
+`extra_key` is how kvgate keeps tenants' caches apart. So:
+
+- *sent*: the prompts kvgate sent to the worker, keyed per namespace, bounded by the engine's pool. A tenant is only
+  ever routed by its own namespace's entries here, never by another tenant's pages.
+- *held*: what the engine itself reports stored and evicted (namespace-blind), from its KV events. Where it is
+  complete (the subscriber saw every batch since the engine started or last cleared its cache), a block counts only
+  while the engine still holds it: an eviction shows at the next pick. Where it is not (kvgate subscribed late or
+  lost batches it could not replay), only blocks the engine reported evicted are discounted.
+
+A block is predicted cached when *sent* has it for the request's namespace and *held* does not contradict it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from routing.prefix_index.blocks import BLIND_SEED, PromptTokens, block_tokens_for, ids_to_bytes
+
+
+class CacheMode(enum.Enum):
+    APPROXIMATE = "approximate"  # no KV events (none configured, or the publisher is silent): what kvgate sent
+    PARTIAL = "partial"  # events arrive but history before them is missing: sent, less what the engine evicted
+    EXACT = "exact"  # every event since the engine's cache was empty: sent, and still held by the engine
+
+
+class _Generations:
+    """A set bounded to `capacity` keys that forgets the least recently added first, in two halves: adding to the
+    young half, and when it is full the old half is dropped and the young one becomes old. About LRU, at the cost
+    of two set lookups, with no per-key bookkeeping (a key costs one set slot)."""
+
+    __slots__ = ("_young", "_old", "_half")
+
+    def __init__(self, capacity: int) -> None:
+        self._half = max(1, capacity // 2)
+        self._young: set[int] = set()
+        self._old: set[int] = set()
+
+    def add(self, keys: list[int]) -> None:
+        for start in range(0, len(keys), self._half):
+            self._young.update(keys[start:start + self._half])
+            if len(self._young) >= self._half:
+                self._old, self._young = self._young, set()
+
+    def discard(self, key: int) -> None:
+        self._young.discard(key)
+        self._old.discard(key)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._young or key in self._old
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def clear(self) -> None:
+        self._young.clear()
+        self._old.clear()
+
+
+class HeldBlocks:
+    """The engine's own report of its cache, rebuilt from BlockStored / BlockRemoved events at kvgate's block size.
+
+    An engine page's hash maps to where it ends in kvgate's chain: the key of the last whole block before it and the
+    tokens after that block (a page smaller than a block ends mid-block). Reference counts, because equal prompts
+    in two namespaces are two radix nodes with one published hash."""
+
+    __slots__ = ("block_tokens", "_pages", "_blocks", "_evicted", "unplaced")
+
+    def __init__(self, block_tokens: int, evicted_capacity: int) -> None:
+        self.block_tokens = block_tokens
+        self._pages: dict[int, tuple[int, bytes, int]] = {}  # engine page hash → (block key, tokens after it, refs)
+        self._blocks: dict[int, int] = {}  # block key (namespace-blind) → engine pages ending it that are held
+        self._evicted = _Generations(evicted_capacity)  # blocks the engine reported evicted (for partial views)
+        self.unplaced = 0  # stored pages whose parent kvgate never saw (history it missed)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._blocks
+
+    def evicted(self, key: int) -> bool:
+        return key in self._evicted
+
+    @property
+    def blocks(self) -> int:
+        return len(self._blocks)
+
+    def store(self, block_hashes: list[int], parent: int | None, token_ids: list[int], page_size: int) -> bool:
+        """One BlockStored: its pages (of `page_size` tokens, the last maybe shorter) in order. False when the
+        parent is unknown (nothing is placed)."""
+        if parent is None:
+            key, tail = BLIND_SEED, b""
+        else:
+            found = self._pages.get(parent)
+            if found is None:
+                self.unplaced += len(block_hashes)
+                return False
+            key, tail, _ = found
+        step = self.block_tokens * 4
+        page_bytes = ids_to_bytes(token_ids)
+        per_page = page_size * 4
+        for index, page_hash in enumerate(block_hashes):
+            tail += page_bytes[index * per_page:(index + 1) * per_page]
+            ends_block = len(tail) >= step
+            if ends_block:
+                key = hash((key, tail[:step]))
+                tail = tail[step:]
+            previous = self._pages.get(page_hash)
+            self._pages[page_hash] = (key, tail, (previous[2] if previous else 0) + 1)
+            if ends_block and not tail:
+                self._blocks[key] = self._blocks.get(key, 0) + 1
+                self._evicted.discard(key)
+        return True
+
+    def remove(self, block_hashes: list[int]) -> None:
+        for page_hash in block_hashes:
+            found = self._pages.get(page_hash)
+            if found is None:
+                continue
+            key, tail, refs = found
+            if refs > 1:
+                self._pages[page_hash] = (key, tail, refs - 1)
+            else:
+                del self._pages[page_hash]
+            if not tail:  # the page ended a block: one holder of that block fewer
+                left = self._blocks.get(key, 0) - 1
+                if left > 0:
+                    self._blocks[key] = left
+                elif self._blocks.pop(key, None) is not None:
+                    self._evicted.add([key])
+
+    def clear(self) -> None:
+        self._pages.clear()
+        self._blocks.clear()
+        self._evicted.clear()
+
+
+class CacheIndex:
+    """What kvgate knows of one prefill's radix cache (see the module docstring). `ranks` holds one engine view per
+    data-parallel rank publishing events (each rank has its own radix cache): a block is held if any rank holds it."""
+
+    def __init__(self, *, page_size: int, capacity_tokens: int) -> None:
+        self.page_size = max(1, page_size)
+        self.block_tokens = block_tokens_for(self.page_size)
+        self.capacity_blocks = max(1, capacity_tokens // self.block_tokens)
+        self._sent = _Generations(self.capacity_blocks)
+        self.ranks: list[HeldBlocks] = []
+        self.mode = CacheMode.APPROXIMATE
+
+    def engine_view(self) -> HeldBlocks:
+        """A new view of one publishing rank's cache (the KV-event subscriber fills it)."""
+        view = HeldBlocks(self.block_tokens, self.capacity_blocks)
+        self.ranks.append(view)
+        return view
+
+    def match(self, prompt: PromptTokens) -> int:
+        """Tokens of the prompt's prefix predicted to be in the engine's cache, for the prompt's namespace."""
+        keys = prompt.keys(self.block_tokens)
+        sent = self._sent
+        depth = 0
+        for key in keys:
+            if key not in sent:
+                break
+            depth += 1
+        if depth and self.mode is not CacheMode.APPROXIMATE and self.ranks:
+            depth = self._still_held(prompt, depth)
+        return depth * self.block_tokens
+
+    def _still_held(self, prompt: PromptTokens, depth: int) -> int:
+        blind = prompt.keys(self.block_tokens, namespaced=False)
+        ranks = self.ranks
+        if self.mode is CacheMode.EXACT:
+            for index in range(depth):
+                if not any(blind[index] in rank for rank in ranks):
+                    return index
+        else:
+            for index in range(depth):
+                if all(rank.evicted(blind[index]) for rank in ranks):
+                    return index
+        return depth
+
+    def record(self, prompt: PromptTokens) -> None:
+        """The prompt was sent to this worker: its prefill will hold the prompt's blocks in its namespace."""
+        self._sent.add(prompt.keys(self.block_tokens))
+
+    def forget_sent(self) -> None:
+        """The engine's cache is empty (a restart, a flush): nothing kvgate sent before is there any more."""
+        self._sent.clear()
+
+    def reset(self) -> None:
+        self._sent.clear()
+        for rank in self.ranks:
+            rank.clear()
+
+    @property
+    def sent_blocks(self) -> int:
+        return len(self._sent)
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(rank.blocks for rank in self.ranks)

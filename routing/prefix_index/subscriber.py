@@ -1,0 +1,300 @@
+"""Subscribing to one prefill engine's KV events (SGLang `ZmqEventPublisher`, one publisher per data-parallel rank
+at the configured port + rank) and applying them, in order, to the worker's cache index.
+
+Each gateway replica subscribes itself: the engine's report needs no shared state. Per rank:
+- a SUB socket on the publisher; batches carry a sequence number that counts from 0 per engine process;
+- a gap (a sequence ahead of the next expected) is filled from the publisher's replay socket (a ROUTER: send the
+  first sequence wanted, get every buffered batch from it, then sequence -1); batches it no longer holds leave the
+  view *partial*;
+- a sequence behind the expected one is a restarted engine: its cache is empty;
+- liveness: the SUB connection (ZMQ's socket monitor) and, with a replay socket, a replay request every
+  `liveness_s` for the batches after the last one seen (which also fetches any tail a dropped message hid). A
+  publisher that is down or does not answer puts the worker's index back to approximate mode until it does.
+Malformed batches are counted and skipped; nothing an engine sends can stop the subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from routing.prefix_index.events import Cleared, MalformedBatch, Removed, Stored, decode_batch, decode_sequence
+from routing.prefix_index.index import CacheIndex, CacheMode, HeldBlocks
+
+log = logging.getLogger("kvgate.kv_events")
+
+_END = -1
+_YIELD_EVERY = 256  # events applied between two hand-overs to the event loop
+
+
+@dataclass(frozen=True, slots=True)
+class EventsEndpoint:
+    """Where one rank publishes, as kvgate connects to it."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+def connectable(endpoint: str, host: str, rank: int = 0) -> str:
+    """The engine's bind address as a connect address: a wildcard host becomes the worker's host, and the port is
+    offset by the rank (`ZmqEventPublisher.offset_endpoint_port`)."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    parts = urlsplit(endpoint)
+    bound = parts.hostname or "*"
+    target = host if bound in ("*", "0.0.0.0", "::") else bound
+    target = f"[{target}]" if ":" in target and not target.startswith("[") else target
+    port = parts.port
+    if port is None:
+        raise ValueError(f"KV events endpoint {endpoint!r} has no port")
+    return f"tcp://{target}:{port + rank}"
+
+
+@dataclass
+class SubscriberStats:
+    batches: int = 0
+    malformed: int = 0
+    gaps_replayed: int = 0
+    gaps_lost: int = 0
+    restarts: int = 0
+
+
+@dataclass
+class _Rank:
+    endpoint: EventsEndpoint
+    view: HeldBlocks
+    next_seq: int | None = None  # the next sequence expected; None until the first batch since (re)connecting
+    complete: bool = False  # every batch since the engine's cache was last empty has been applied
+    connected: bool = False
+    answering: bool = True  # the replay socket answered its last liveness probe
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    sockets: list[zmq.asyncio.Socket] = field(default_factory=list)  # the SUB socket, then its monitor
+
+    @property
+    def live(self) -> bool:
+        return self.connected and self.answering
+
+
+class KvEventSubscriber:
+    def __init__(self, name: str, index: CacheIndex, endpoints: list[EventsEndpoint], *, liveness_s: float,
+                 on_mode: Callable[[CacheMode], None] | None = None) -> None:
+        self.name = name  # the worker, for the log
+        self.index = index
+        self.stats = SubscriberStats()
+        self._liveness_s = liveness_s
+        self._on_mode = on_mode
+        self._ctx = zmq.asyncio.Context.instance()
+        self._ranks = [_Rank(endpoint, index.engine_view()) for endpoint in endpoints]
+        self._mode_logged: CacheMode | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for rank in self._ranks:
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, rank.endpoint.topic.encode())
+            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sub.connect(rank.endpoint.endpoint)
+            rank.sockets = [sub, monitor]
+            rank.tasks = [loop.create_task(self._receive(rank, sub), name=f"kvgate-kv-events-{self.name}"),
+                          loop.create_task(self._watch_connection(rank, monitor),
+                                           name=f"kvgate-kv-monitor-{self.name}")]
+            if rank.endpoint.replay_endpoint:
+                rank.tasks.append(loop.create_task(self._probe(rank), name=f"kvgate-kv-probe-{self.name}"))
+
+    async def stop(self) -> None:
+        tasks = [task for rank in self._ranks for task in rank.tasks]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for rank in self._ranks:
+            for socket in reversed(rank.sockets):
+                socket.close(linger=0)
+            rank.sockets = []
+        self.index.ranks = [view for view in self.index.ranks if all(view is not r.view for r in self._ranks)]
+        self.index.mode = CacheMode.APPROXIMATE
+
+    @property
+    def mode(self) -> CacheMode:
+        if not self._ranks or not all(rank.live for rank in self._ranks):
+            return CacheMode.APPROXIMATE
+        return CacheMode.EXACT if all(rank.complete for rank in self._ranks) else CacheMode.PARTIAL
+
+    def _update_mode(self) -> None:
+        mode = self.mode
+        self.index.mode = mode
+        if mode is not self._mode_logged:
+            if mode is CacheMode.APPROXIMATE and self._mode_logged is not None:
+                log.warning("KV events of %s: publisher down or silent; routing by what kvgate sent", self.name)
+            elif mode is not CacheMode.APPROXIMATE:
+                log.info("KV events of %s: %s", self.name, mode.value)
+            self._mode_logged = mode
+            if self._on_mode is not None:
+                self._on_mode(mode)
+
+    # ── the stream ──────────────────────────────────────────────────────────────────────────────────────────
+    async def _receive(self, rank: _Rank, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sub.recv_multipart()
+            try:
+                await self._on_message(rank, frames)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # whatever an engine sent, the subscriber goes on
+                self.stats.malformed += 1
+                log.exception("KV events of %s: a batch could not be applied", self.name)
+
+    def resync(self) -> None:
+        """The worker's engine may have been replaced (kvgate re-verified it): its cache is empty, and its
+        publisher's sequence starts again."""
+        for rank in self._ranks:
+            rank.next_seq = None
+            rank.complete = False
+        self._engine_emptied()
+        self._update_mode()
+
+    async def _on_message(self, rank: _Rank, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            self.stats.malformed += 1
+            return
+        try:
+            seq = decode_sequence(frames[1])
+        except MalformedBatch:
+            self.stats.malformed += 1
+            return
+        expected = rank.next_seq
+        if expected is not None and seq < expected:  # the sequence restarts with the engine process
+            self.stats.restarts += 1
+            log.info("KV events of %s: the publisher restarted (sequence %d after %d)", self.name, seq, expected)
+            self._engine_emptied()
+            expected = None
+        if expected is None:
+            rank.complete = seq == 0
+            if seq > 0:  # subscribed late: what came before, if the publisher still has it
+                rank.complete = await self._replay(rank, 0, seq)
+        elif seq > expected:
+            filled = await self._replay(rank, expected, seq)
+            if filled:
+                self.stats.gaps_replayed += 1
+            else:
+                self.stats.gaps_lost += 1
+                rank.complete = False
+        await self._apply(rank, seq, frames[2])
+        self._update_mode()
+
+    async def _apply(self, rank: _Rank, seq: int, payload: bytes) -> None:
+        rank.next_seq = seq + 1
+        self.stats.batches += 1
+        try:
+            events = decode_batch(payload)
+        except MalformedBatch as exc:
+            self.stats.malformed += 1
+            log.debug("KV events of %s: batch %d skipped: %s", self.name, seq, exc)
+            return
+        view = rank.view
+        for count, event in enumerate(events, 1):
+            if isinstance(event, Stored):
+                view.store(event.block_hashes, event.parent, event.token_ids, event.page_size)
+            elif isinstance(event, Removed):
+                view.remove(event.block_hashes)
+            elif isinstance(event, Cleared):
+                self._engine_emptied()
+                rank.complete = True
+            if count % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+
+    def _engine_emptied(self) -> None:
+        for rank in self._ranks:  # a flush or a restart empties every rank's cache
+            rank.view.clear()
+        self.index.forget_sent()
+
+    # ── replay ──────────────────────────────────────────────────────────────────────────────────────────────
+    async def _replay(self, rank: _Rank, start: int, stop: int | None) -> bool:
+        """Apply the buffered batches from `start` (up to `stop`, exclusive, when given). True when every one of
+        them arrived in order; False when the publisher no longer holds them, has no replay socket, or is silent."""
+        replay = rank.endpoint.replay_endpoint
+        if replay is None:
+            return False
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(replay)
+        expected = start
+        complete = True
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+            while True:
+                async with asyncio.timeout(self._liveness_s):
+                    frames = await dealer.recv_multipart()
+                if len(frames) != 3:
+                    self.stats.malformed += 1
+                    continue
+                seq = decode_sequence(frames[1])
+                if seq == _END:
+                    break
+                if stop is not None and seq >= stop:
+                    continue  # the live stream delivers these
+                if seq < expected:
+                    continue
+                if seq > expected:
+                    complete = False  # the buffer no longer holds what came between
+                await self._apply(rank, seq, frames[2])
+                expected = seq + 1
+            rank.answering = True
+            return complete and (stop is None or expected == stop)
+        except (TimeoutError, MalformedBatch, zmq.ZMQError):
+            rank.answering = False
+            return False
+        finally:
+            dealer.close(linger=0)
+
+    async def _probe(self, rank: _Rank) -> None:
+        """Every `liveness_s`: is the publisher there, and did a dropped message hide batches at the stream's end?"""
+        while True:
+            await asyncio.sleep(self._liveness_s)
+            if rank.next_seq is None:
+                answered = await self._replay_answers(rank)
+            else:
+                before = rank.next_seq
+                ok = await self._replay(rank, before, None)
+                answered = rank.answering
+                if not ok and answered:
+                    self.stats.gaps_lost += 1
+                    rank.complete = False
+            rank.answering = answered
+            self._update_mode()
+
+    async def _replay_answers(self, rank: _Rank) -> bool:
+        """A publisher that has sent nothing yet: does its replay socket answer (asking for nothing old)?"""
+        replay = rank.endpoint.replay_endpoint
+        assert replay is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(replay)
+        try:
+            await dealer.send_multipart([b"", (1 << 62).to_bytes(8, "big", signed=True)])
+            async with asyncio.timeout(self._liveness_s):
+                while decode_sequence((await dealer.recv_multipart())[-2]) != _END:
+                    pass
+            return True
+        except (TimeoutError, MalformedBatch, zmq.ZMQError, IndexError):
+            return False
+        finally:
+            dealer.close(linger=0)
+
+    # ── the connection ──────────────────────────────────────────────────────────────────────────────────────
+    async def _watch_connection(self, rank: _Rank, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                rank.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                rank.connected = False  # batches missed meanwhile are replayed as a gap on reconnect
+            self._update_mode()
