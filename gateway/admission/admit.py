@@ -89,7 +89,8 @@ class Admission:
         self.model = model
         self.prefix_tokens = prefix_tokens
         self.route_tokens = route_tokens
-        self._prompt_ids = PromptIds(tokenizer, counter.splitter) if route_tokens else None
+        self._prompt_ids = PromptIds(tokenizer, counter.splitter, on_encoded=counter.remember) \
+            if route_tokens else None
         self.tokenizer = tokenizer
         self.counter = counter
         self.template = template
@@ -103,8 +104,8 @@ class Admission:
                     off_loop: bool = False) -> AdmittedRequest:
         """`off_loop`: render, check ids and serialise in a thread (a large body)."""
         limits = self.limits
-        results, head = await self._count(request, tenant=tenant, limit=limits.prompt_tokens, dialects=dialects,
-                                          off_loop=off_loop)
+        results, head, route_ids = await self._count(request, tenant=tenant, limit=limits.prompt_tokens,
+                                                     dialects=dialects, off_loop=off_loop)
         worst = max(results.values(), key=lambda result: result.tokens)
         if worst.tokens > limits.prompt_tokens:
             # An early exit knows only a lower bound: it says so rather than state a count it did not make.
@@ -126,22 +127,24 @@ class Admission:
             fields["max_tokens"] = max_new
         body = await _maybe_off_loop(orjson.dumps, fields, large=off_loop)
         prefix = self._prefix_hash(head, request.cache_salt) if self.prefix_tokens else None
-        route_ids = await self._route_ids(head, tenant, large=off_loop) if self.route_tokens else None
         return AdmittedRequest(request.route, self.model, request.stream, body, counts, max_new, request.usage,
                                prefix, merge_logprobs=request.route == "/generate"
                                and fields.get("return_logprob") is True, cache_salt=request.cache_salt,
                                engine_defaults_json=request.prompt.engine_defaults_json
                                if isinstance(request.prompt, ChatPrompt) else None, route_ids=route_ids)
 
-    async def _route_ids(self, head: PromptHead, tenant: str, *, large: bool) -> bytes:
-        n = self.route_tokens
-        assert n is not None and self._prompt_ids is not None
+    async def _route_ids(self, head: PromptHead, tenant: str, *, large: bool) -> bytes | None:
+        """The prompt's first token ids for cache-aware routing (None when no policy needs them). Made before the
+        count: every piece it encodes is handed to the counter's cache, so no text is encoded twice."""
+        n, builder = self.route_tokens, self._prompt_ids
+        if n is None or builder is None:
+            return None
         if isinstance(head, list):
             return ids_to_bytes(head[:n])
         text, special = head
         # New text is encoded (~0.25 µs a character): off the loop once it could take more than a few ms.
-        return await _maybe_off_loop(partial(self._prompt_ids.ids, text, tenant=tenant, special=special,
-                                             max_tokens=n), large=large or len(text) > ROUTE_IDS_INLINE_CHARS)
+        return await _maybe_off_loop(partial(builder.ids, text, tenant=tenant, special=special, max_tokens=n),
+                                     large=large or len(text) > ROUTE_IDS_INLINE_CHARS)
 
     def _prefix_hash(self, head: PromptHead, salt: str | None) -> int:
         """A hash of the prompt's first `prefix_tokens` token ids as the engine sees them, and of cache_salt."""
@@ -196,30 +199,35 @@ class Admission:
 
     # ── counting ────────────────────────────────────────────────────────────────────────────────────────────
     async def _count(self, request: ClientRequest, *, tenant: str, limit: int, dialects: frozenset[Dialect],
-                     off_loop: bool) -> tuple[dict[Dialect, CountResult], PromptHead]:
-        """Each dialect's count, and the prompt's head as the engine tokenizes it (for the prefix hash)."""
+                     off_loop: bool) -> tuple[dict[Dialect, CountResult], PromptHead, bytes | None]:
+        """Each dialect's count, the prompt's head as the engine tokenizes it (for the prefix hash), and its first
+        token ids where cache-aware routing needs them."""
         prompt = request.prompt
         if isinstance(prompt, IdsPrompt):
             n = len(prompt.ids)
             if n <= limit:  # the length alone decides a refusal, before any id is looked at
                 await _maybe_off_loop(self._check_ids, prompt.ids, large=off_loop)
-            return dict.fromkeys(dialects, CountResult(n, exact=True)), prompt.ids
+            route_ids = await self._route_ids(prompt.ids, tenant, large=off_loop)
+            return dict.fromkeys(dialects, CountResult(n, exact=True)), prompt.ids, route_ids
         if isinstance(prompt, TextPrompt):
+            route_ids = await self._route_ids((prompt.text, True), tenant, large=off_loop)
             result = await self._count_text(prompt.text, tenant, special=True, limit=limit)
-            return dict.fromkeys(dialects, result), (prompt.text, True)
+            return dict.fromkeys(dialects, result), (prompt.text, True), route_ids
         assert isinstance(prompt, ChatPrompt)
         counts: dict[Dialect, CountResult] = {}
         by_text: dict[tuple[str, str | None], CountResult] = {}
         head: PromptHead = []
+        route_ids = None
         for dialect in sorted(dialects, key=lambda d: d.value):
             plan, text = await _maybe_off_loop(self._render, prompt, dialect, large=off_loop)
+            if not head:
+                head = (text, False)
+                route_ids = await self._route_ids(head, tenant, large=off_loop)
             key = (text, plan.assistant_prefix)
             if key not in by_text:
                 by_text[key] = await self._count_chat(text, plan.assistant_prefix, tenant, limit)
             counts[dialect] = by_text[key]
-            if not head:
-                head = (text, False)
-        return counts, head
+        return counts, head, route_ids
 
     def _render(self, prompt: ChatPrompt, dialect: Dialect) -> tuple[RenderPlan, str]:
         plan = prompt.plan(dialect, self.chat.content_format)

@@ -150,6 +150,14 @@ class TokenCounter:
         max_bytes = len(text) if text.isascii() else 4 * len(text)
         return max_bytes + self._extra(add_special_tokens) <= limit
 
+    def remember(self, text: str, tenant: str, tokens: int) -> None:
+        """`text` (a piece between added tokens) encodes to `tokens` ids: what another step encoded anyway (the
+        cache-aware routing ids) need not be encoded again to be counted."""
+        try:
+            self._cache.put(text_key(cache_scope(self._tok.identity, tenant), text), tokens)
+        except UnicodeEncodeError:
+            pass  # the count will refuse it
+
     @property
     def splitter(self) -> AddedTokenSplitter | None:
         """The split at added tokens, where it is proven exact for this tokenizer."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from gateway.admission.segmenting import AddedTokenSplitter, UnsupportedSplit
 from gateway.admission.tokenizer import ModelTokenizer
@@ -23,9 +23,10 @@ _CHARS_PER_TOKEN_BOUND = 8  # a window of this many characters per wanted token 
 
 class PromptIds:
     def __init__(self, tokenizer: ModelTokenizer, splitter: AddedTokenSplitter | None, *,
-                 cache_bytes: int = 32 * 2**20) -> None:
+                 cache_bytes: int = 32 * 2**20, on_encoded: Callable[[str, str, int], None] | None = None) -> None:
         """`splitter`: None where splitting at added tokens is not proven exact for this tokenizer (then a window
-        of the prompt is encoded whole)."""
+        of the prompt is encoded whole); `on_encoded(piece, tenant, tokens)` for every whole piece encoded."""
+        self._on_encoded = on_encoded
         self._tok = tokenizer.tokenizer
         self._splitter = splitter
         self._cache: OrderedDict[tuple[str, str], bytes] = OrderedDict()
@@ -81,6 +82,8 @@ class PromptIds:
             window = text[:(want // 4) * _CHARS_PER_TOKEN_BOUND]
             return ids_to_bytes(self._tok.encode_batch_fast([window], add_special_tokens=False)[0].ids)
         ids = ids_to_bytes(self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+        if self._on_encoded is not None:
+            self._on_encoded(text, tenant, len(ids) // 4)
         with self._lock:
             self._cache[key] = ids
             self._held += len(ids) + len(text)

@@ -18,6 +18,7 @@ A block is predicted cached when *sent* has it for the request's namespace and *
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 from routing.prefix_index.blocks import BLIND_SEED, PromptTokens, block_tokens_for, ids_to_bytes
 
@@ -26,6 +27,34 @@ class CacheMode(enum.Enum):
     APPROXIMATE = "approximate"  # no KV events (none configured, or the publisher is silent): what kvgate sent
     PARTIAL = "partial"  # events arrive but history before them is missing: sent, less what the engine evicted
     EXACT = "exact"  # every event since the engine's cache was empty: sent, and still held by the engine
+
+
+def prefix_depth(keys: list[int], held: Callable[[int], bool]) -> int:
+    """The length of the held prefix of a chain of keys, by galloping then bisecting: O(log n) lookups rather than
+    one per block. A chain is held prefix-first (a radix cache evicts leaves first, and a prompt's keys are recorded
+    together), so the first key not held ends it."""
+    n = len(keys)
+    if not n or not held(keys[0]):
+        return 0
+    low, step = 0, 1  # keys[low] is held
+    while True:
+        probe = low + step
+        if probe >= n:
+            if held(keys[n - 1]):
+                return n
+            high = n - 1
+            break
+        if not held(keys[probe]):
+            high = probe
+            break
+        low, step = probe, step * 2
+    while high - low > 1:  # keys[low] held, keys[high] not
+        middle = (low + high) // 2
+        if held(keys[middle]):
+            low = middle
+        else:
+            high = middle
+    return high
 
 
 class _Generations:
@@ -49,6 +78,11 @@ class _Generations:
     def discard(self, key: int) -> None:
         self._young.discard(key)
         self._old.discard(key)
+
+    def prefix_depth(self, keys: list[int]) -> int:
+        """How many of `keys`, from the first, are held (see `prefix_depth`)."""
+        young, old = self._young, self._old
+        return prefix_depth(keys, lambda key: key in young or key in old)
 
     def __contains__(self, key: int) -> bool:
         return key in self._young or key in self._old
@@ -157,29 +191,17 @@ class CacheIndex:
 
     def match(self, prompt: PromptTokens) -> int:
         """Tokens of the prompt's prefix predicted to be in the engine's cache, for the prompt's namespace."""
-        keys = prompt.keys(self.block_tokens)
-        sent = self._sent
-        depth = 0
-        for key in keys:
-            if key not in sent:
-                break
-            depth += 1
+        depth = self._sent.prefix_depth(prompt.keys(self.block_tokens))
         if depth and self.mode is not CacheMode.APPROXIMATE and self.ranks:
             depth = self._still_held(prompt, depth)
         return depth * self.block_tokens
 
     def _still_held(self, prompt: PromptTokens, depth: int) -> int:
-        blind = prompt.keys(self.block_tokens, namespaced=False)
+        blind = prompt.keys(self.block_tokens, namespaced=False)[:depth]
         ranks = self.ranks
         if self.mode is CacheMode.EXACT:
-            for index in range(depth):
-                if not any(blind[index] in rank for rank in ranks):
-                    return index
-        else:
-            for index in range(depth):
-                if all(rank.evicted(blind[index]) for rank in ranks):
-                    return index
-        return depth
+            return prefix_depth(blind, lambda key: any(key in rank for rank in ranks))
+        return prefix_depth(blind, lambda key: not all(rank.evicted(key) for rank in ranks))
 
     def record(self, prompt: PromptTokens) -> None:
         """The prompt was sent to this worker: its prefill will hold the prompt's blocks in its namespace."""

@@ -18,7 +18,7 @@ from routing.pools import Lease, WorkerPair
 from routing.prefix_index import CacheIndex, CacheMode, PromptTokens
 from routing.prefix_index.blocks import block_tokens_for, ids_to_bytes
 from routing.prefix_index.events import Cleared, MalformedBatch, Removed, Stored, decode_batch
-from routing.prefix_index.index import _Generations
+from routing.prefix_index.index import _Generations, prefix_depth
 from routing.prefix_index.subscriber import connectable
 from routing.workers import Worker, WorkerSpec
 
@@ -210,3 +210,19 @@ def test_kv_headroom_prefers_the_decode_where_the_request_fits_with_the_reserve(
     assert decodes[0].reserved_tokens == 6000  # kvgate's own requests count until they end
     held.release()
     assert decodes[0].reserved_tokens == 0
+
+
+def test_prefix_depth_gallops_to_the_same_answer_as_a_scan() -> None:
+    rng = random.Random(9)
+    for _ in range(500):
+        n = rng.randrange(0, 300)
+        keys = list(range(n))
+        held_up_to = rng.randrange(0, n + 1)
+        looked: list[int] = []
+
+        def held(key: int) -> bool:
+            looked.append(key)
+            return key < held_up_to
+
+        assert prefix_depth(keys, held) == held_up_to
+        assert len(looked) <= 2 * max(1, n).bit_length() + 2  # logarithmic, not one lookup per block
