@@ -54,7 +54,7 @@ def _cache_routing(model: ModelConfig) -> tuple[object, ...]:
     routing = model.routing
     events = tuple(sorted((url, str(events)) for url, events in model.kv_events_endpoints.items()))
     return (routing.cache_aware_tokens if routing.prefill_policy == "cache_aware" else None,
-            routing.needs_prompt_sizes, events if routing.prefill_policy == "cache_aware" else ())
+            routing.needs_prompt_sizes, routing.kv_events, events if routing.prefill_policy == "cache_aware" else ())
 
 
 def _prefix_tokens(model: ModelConfig) -> int | None:

@@ -280,7 +280,8 @@ class Gateway:
         configured = {url: EventsEndpoint(e.endpoint, e.replay_endpoint, e.topic)
                       for url, e in model.config.kv_events_endpoints.items()}
         tracking = model.cache_tracking = CacheTracking(
-            configured=configured, liveness_s=self.config.health_of(model.config).interval_s)
+            configured=configured, liveness_s=self.config.health_of(model.config).interval_s,
+            follow_events=model.config.routing.kv_events == "auto")
         model.pool.follow(tracking.attach, tracking.detach)
 
     async def _poll_loads(self, model: ServedModel) -> None:

@@ -20,10 +20,12 @@ OnMode = Callable[[Worker, CacheMode], None]
 
 
 class CacheTracking:
-    def __init__(self, *, configured: Mapping[str, EventsEndpoint], liveness_s: float,
+    def __init__(self, *, configured: Mapping[str, EventsEndpoint], liveness_s: float, follow_events: bool = True,
                  on_mode: OnMode | None = None) -> None:
         """`configured`: KV-event endpoints by worker URL, from YAML (others are read from the engine's
-        /server_info); `liveness_s`: how soon a silent publisher puts its worker back to approximate mode."""
+        /server_info); `liveness_s`: how soon a silent publisher puts its worker back to approximate mode;
+        `follow_events=False`: no subscriber at all (every index routes by what kvgate sent)."""
+        self._follow_events = follow_events
         self._configured = dict(configured)
         self._liveness_s = liveness_s
         self._on_mode = on_mode
@@ -69,6 +71,8 @@ class CacheTracking:
         self.subscribers[worker] = subscriber
 
     def _endpoints(self, worker: Worker) -> list[EventsEndpoint]:
+        if not self._follow_events:
+            return []
         host = urlsplit(worker.url).hostname or "127.0.0.1"
         configured = self._configured.get(worker.url)
         if configured is not None:
