@@ -102,14 +102,18 @@ class HeldBlocks:
     tokens after that block (a page smaller than a block ends mid-block). Reference counts, because equal prompts
     in two namespaces are two radix nodes with one published hash."""
 
-    __slots__ = ("block_tokens", "_pages", "_blocks", "_evicted", "unplaced")
+    __slots__ = ("block_tokens", "_max_pages", "_pages", "_blocks", "_evicted", "unplaced", "overflows")
 
-    def __init__(self, block_tokens: int, evicted_capacity: int) -> None:
+    def __init__(self, block_tokens: int, evicted_capacity: int, *, max_pages: int) -> None:
+        """`max_pages`: more pages than the engine's pool can hold means events were lost (or the engine is
+        broken): the view is dropped rather than grown without bound."""
         self.block_tokens = block_tokens
+        self._max_pages = max_pages
         self._pages: dict[int, tuple[int, bytes, int]] = {}  # engine page hash → (block key, tokens after it, refs)
         self._blocks: dict[int, int] = {}  # block key (namespace-blind) → engine pages ending it that are held
         self._evicted = _Generations(evicted_capacity)  # blocks the engine reported evicted (for partial views)
         self.unplaced = 0  # stored pages whose parent kvgate never saw (history it missed)
+        self.overflows = 0  # times the view outgrew the engine's pool and was dropped
 
     def __contains__(self, key: int) -> bool:
         return key in self._blocks
@@ -142,6 +146,10 @@ class HeldBlocks:
                 key = hash((key, tail[:step]))
                 tail = tail[step:]
             previous = self._pages.get(page_hash)
+            if previous is None and len(self._pages) >= self._max_pages:
+                self.clear()
+                self.overflows += 1
+                return False
             self._pages[page_hash] = (key, tail, (previous[2] if previous else 0) + 1)
             if ends_block and not tail:
                 self._blocks[key] = self._blocks.get(key, 0) + 1
@@ -185,7 +193,9 @@ class CacheIndex:
 
     def engine_view(self) -> HeldBlocks:
         """A new view of one publishing rank's cache (the KV-event subscriber fills it)."""
-        view = HeldBlocks(self.block_tokens, self.capacity_blocks)
+        # Twice the pool in pages: equal prompts of several namespaces share page hashes (counted once here).
+        view = HeldBlocks(self.block_tokens, self.capacity_blocks,
+                          max_pages=2 * self.capacity_blocks * self.block_tokens // self.page_size)
         self.ranks.append(view)
         return view
 

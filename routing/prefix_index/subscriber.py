@@ -200,6 +200,7 @@ class KvEventSubscriber:
             log.debug("KV events of %s: batch %d skipped: %s", self.name, seq, exc)
             return
         view = rank.view
+        overflows = view.overflows
         for count, event in enumerate(events, 1):
             if isinstance(event, Stored):
                 view.store(event.block_hashes, event.parent, event.token_ids, event.page_size)
@@ -210,6 +211,9 @@ class KvEventSubscriber:
                 rank.complete = True
             if count % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)
+        if view.overflows != overflows:  # the view was dropped: what it held before is unknown from here on
+            rank.complete = False
+            log.warning("KV events of %s: more pages stored than the pool holds; view dropped", self.name)
 
     def _engine_emptied(self) -> None:
         for rank in self._ranks:  # a flush or a restart empties every rank's cache

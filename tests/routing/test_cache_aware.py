@@ -226,3 +226,11 @@ def test_prefix_depth_gallops_to_the_same_answer_as_a_scan() -> None:
 
         assert prefix_depth(keys, held) == held_up_to
         assert len(looked) <= 2 * max(1, n).bit_length() + 2  # logarithmic, not one lookup per block
+
+
+def test_an_engine_reporting_more_pages_than_its_pool_holds_cannot_grow_the_view_without_bound() -> None:
+    index = CacheIndex(page_size=32, capacity_tokens=3200)  # 100 blocks of 32: at most 200 pages held
+    rank = index.engine_view()
+    for page in range(1000):
+        rank.store([page], None, list(range(32)), 32)
+    assert rank.overflows >= 4 and rank.blocks <= 200
