@@ -75,6 +75,8 @@ class _Rank:
     complete: bool = False  # every batch since the engine's cache was last empty has been applied
     connected: bool = False
     answering: bool = True  # the replay socket answered its last liveness probe
+    reconnected: bool = False  # the SUB connection dropped since the last batch (a sequence behind: a restart)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one batch applied at a time: stream, gaps, probes
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     sockets: list[zmq.asyncio.Socket] = field(default_factory=list)  # the SUB socket, then its monitor
 
@@ -145,7 +147,8 @@ class KvEventSubscriber:
         while True:
             frames = await sub.recv_multipart()
             try:
-                await self._on_message(rank, frames)
+                async with rank.lock:
+                    await self._on_message(rank, frames)
             except asyncio.CancelledError:
                 raise
             except Exception:  # whatever an engine sent, the subscriber goes on
@@ -171,7 +174,10 @@ class KvEventSubscriber:
             self.stats.malformed += 1
             return
         expected = rank.next_seq
-        if expected is not None and seq < expected:  # the sequence restarts with the engine process
+        if expected is not None and seq < expected:
+            if not rank.reconnected:
+                return  # a batch a replay already applied, arriving late on the stream
+            # The sequence restarts with the engine process.
             self.stats.restarts += 1
             log.info("KV events of %s: the publisher restarted (sequence %d after %d)", self.name, seq, expected)
             self._engine_emptied()
@@ -192,6 +198,7 @@ class KvEventSubscriber:
 
     async def _apply(self, rank: _Rank, seq: int, payload: bytes) -> None:
         rank.next_seq = seq + 1
+        rank.reconnected = False
         self.stats.batches += 1
         try:
             events = decode_batch(payload)
@@ -260,38 +267,20 @@ class KvEventSubscriber:
             dealer.close(linger=0)
 
     async def _probe(self, rank: _Rank) -> None:
-        """Every `liveness_s`: is the publisher there, and did a dropped message hide batches at the stream's end?"""
+        """At once, then every `liveness_s`: is the publisher there, and did a dropped message hide batches at the
+        stream's end? Before any batch arrived, everything it still buffers is asked for: a publisher whose buffer
+        starts at sequence 0 (or is empty) has told kvgate its whole history."""
         while True:
-            await asyncio.sleep(self._liveness_s)
-            if rank.next_seq is None:
-                answered = await self._replay_answers(rank)
-            else:
-                before = rank.next_seq
-                ok = await self._replay(rank, before, None)
-                answered = rank.answering
-                if not ok and answered:
+            async with rank.lock:
+                first = rank.next_seq is None
+                ok = await self._replay(rank, rank.next_seq or 0, None)
+                if first and rank.answering:
+                    rank.complete = ok
+                elif not ok and rank.answering:
                     self.stats.gaps_lost += 1
                     rank.complete = False
-            rank.answering = answered
             self._update_mode()
-
-    async def _replay_answers(self, rank: _Rank) -> bool:
-        """A publisher that has sent nothing yet: does its replay socket answer (asking for nothing old)?"""
-        replay = rank.endpoint.replay_endpoint
-        assert replay is not None
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(replay)
-        try:
-            await dealer.send_multipart([b"", (1 << 62).to_bytes(8, "big", signed=True)])
-            async with asyncio.timeout(self._liveness_s):
-                while decode_sequence((await dealer.recv_multipart())[-2]) != _END:
-                    pass
-            return True
-        except (TimeoutError, MalformedBatch, zmq.ZMQError, IndexError):
-            return False
-        finally:
-            dealer.close(linger=0)
+            await asyncio.sleep(self._liveness_s)
 
     # ── the connection ──────────────────────────────────────────────────────────────────────────────────────
     async def _watch_connection(self, rank: _Rank, monitor: zmq.asyncio.Socket) -> None:
@@ -301,4 +290,5 @@ class KvEventSubscriber:
                 rank.connected = True
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 rank.connected = False  # batches missed meanwhile are replayed as a gap on reconnect
+                rank.reconnected = True
             self._update_mode()
