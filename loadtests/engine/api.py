@@ -37,6 +37,7 @@ class GenerationAPI:
         self._chat = ChatFormat(dialect, engine.cfg.context_length, engine.tok.content_format,
                                 engine.cfg.default_chat_template_kwargs)
         self._completion = CompletionFormat(dialect)
+        self._chat.cache_report = self._completion.cache_report = engine.cfg.enable_cache_report
 
     async def generate(self, req: Request) -> None:
         await self._handle(req, self._native)
@@ -95,7 +96,6 @@ class GenerationAPI:
             req.respond(e.status, fmt.error_body(e.status, e.message, e.err_type))
             return
         rec.prompt_tokens = len(ids)
-        rec.cached_tokens = eng.prefix_cache.match_and_insert(rec.extra_key, ids)
         gen = Gen(rec, ids, spec.max_new, fmt.default_max_new, host, port, room if isinstance(room, int) else None)
         gen.prompt_offset = prompt_offset
         gen.hide_stub = self.cfg.hide_stub

@@ -32,7 +32,8 @@ def main_server(engine: Engine) -> HttpServer:
         ("POST", "/abort_request"): info.abort_request,
         ("GET", "/emu/requests"): emu.requests, ("GET", "/emu/faults"): emu.get_faults,
         ("POST", "/emu/faults"): emu.add_faults, ("DELETE", "/emu/faults"): emu.clear_faults,
-        ("POST", "/emu/reset"): emu.reset, ("GET", "/emu/state"): emu.state,
+        ("POST", "/emu/reset"): emu.reset, ("GET", "/emu/state"): emu.state, ("GET", "/emu/cache"): emu.cache,
+        ("GET", "/emu/kv_events"): emu.get_kv_events, ("POST", "/emu/kv_events"): emu.kv_events,
     }
     if engine.cfg.enable_metrics:
         routes[("GET", "/metrics")] = info.metrics

@@ -11,6 +11,7 @@ import sys
 
 from .config import EngineConfig
 from .dialect import dialect_of
+from .kv_event_publisher import KvEventsConfig
 
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
@@ -63,6 +64,15 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                    help="claim this KV pool in /server_info (a lying engine, to test what catches a leak anyway)")
     p.add_argument("--hide-stub", action=argparse.BooleanOptionalAction, default=False,
                    help="bug mode: the one-token stub reports the original prompt's count (a lying engine)")
+    p.add_argument("--cache-tokens", type=int, default=None,
+                   help="prefill: radix prefix cache capacity in tokens (default: the pool size)")
+    p.add_argument("--kv-events-config", default=None,
+                   help='prefill: publish KV cache events, e.g. {"publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps": 10000}')
+    p.add_argument("--enable-cache-report", action=argparse.BooleanOptionalAction, default=False,
+                   help="OpenAI usage reports prompt_tokens_details.cached_tokens")
+    p.add_argument("--num-reserved-decode-tokens", type=int, default=512,
+                   help="decode: a request is preallocated once prompt + max_new_tokens + this fits the free KV")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable set explicitly for the engine (repeatable)")
     a = p.parse_args(argv)
@@ -75,9 +85,16 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     if a.pool_tokens < a.page_size or a.context_length < 8:
         p.error("--pool-tokens must hold at least one page and --context-length must be >= 8")
     try:
-        dialect_of(a.version)
+        dialect = dialect_of(a.version)
     except ValueError as e:
         p.error(str(e))
+    if a.kv_events_config is not None:
+        try:
+            KvEventsConfig.parse(a.kv_events_config, dialect)
+        except ValueError as e:  # json.JSONDecodeError included
+            p.error(f"--kv-events-config: {e}")
+    if (a.cache_tokens is not None and a.cache_tokens < 0) or a.num_reserved_decode_tokens < 0:
+        p.error("--cache-tokens and --num-reserved-decode-tokens must be >= 0")
     return EngineConfig(
         role=a.role, host=a.host, port=a.port, bootstrap_port=a.bootstrap_port, model=a.model,
         pool_tokens=a.pool_tokens, context_length=a.context_length, page_size=a.page_size, tokenizer=a.tokenizer,
@@ -89,7 +106,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         request_log_size=a.request_log_size, transfer_backend=a.transfer_backend,
         enable_kv_checksum=a.enable_kv_checksum, decode_allocation_policy=a.decode_allocation_policy,
         expose_env_vars=a.expose_env_vars, env=tuple(env), report_pool_tokens=a.report_pool_tokens,
-        hide_stub=a.hide_stub, default_chat_template_kwargs=a.default_chat_template_kwargs)
+        hide_stub=a.hide_stub, default_chat_template_kwargs=a.default_chat_template_kwargs,
+        cache_tokens=a.cache_tokens, kv_events_config=a.kv_events_config, enable_cache_report=a.enable_cache_report,
+        num_reserved_decode_tokens=a.num_reserved_decode_tokens)
 
 
 async def serve(cfg: EngineConfig) -> None:
@@ -110,6 +129,7 @@ async def serve(cfg: EngineConfig) -> None:
     bp = f" bootstrap_port={cfg.bootstrap_port}" if cfg.role == "prefill" else ""
     print(f"kvgate-engine ready role={cfg.role} host={cfg.host} port={cfg.port}{bp} pid={os.getpid()}", flush=True)
     await stop.wait()
+    engine.close_kv_events()
     engine.links.close()
     engine.rooms.close_channels()
     engine.tok.close()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .dialect import Dialect, dialect_of
+from .kv_event_publisher import KvEventsConfig
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's FAKE transfer backend: health checks and warmup skip the KV handoff
 
@@ -43,10 +44,25 @@ class EngineConfig:
     report_pool_tokens: int | None = None  # a lying engine (tests of the integrity guards): server info claims this pool
     hide_stub: bool = False  # a lying engine: a bug-mode stub reports the original prompt's token count
     default_chat_template_kwargs: dict[str, Any] | None = None  # --default-chat-template-kwargs (0.5.22+)
+    cache_tokens: int | None = None  # prefix-cache capacity (--cache-tokens); None: the pool's size
+    kv_events_config: str | None = None  # --kv-events-config, the JSON string as ServerArgs keeps it
+    enable_cache_report: bool = False  # --enable-cache-report: OpenAI usage carries prompt_tokens_details
+    num_reserved_decode_tokens: int = 512  # decode: KV headroom a request needs before it is preallocated
 
     @property
     def dialect(self) -> Dialect:
         return dialect_of(self.version)
+
+    @property
+    def kv_events(self) -> KvEventsConfig | None:
+        """The parsed --kv-events-config (validated at startup by the CLI)."""
+        if self.kv_events_config is None:
+            return None
+        return KvEventsConfig.parse(self.kv_events_config, self.dialect)
+
+    @property
+    def cache_capacity(self) -> int:
+        return self.max_total_num_tokens if self.cache_tokens is None else self.cache_tokens
 
     @property
     def max_total_num_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""Test-only `/emu/*` endpoints: request introspection, fault injection, reset, pool state."""
+"""Test-only `/emu/*` endpoints: request introspection, fault injection, reset, pool and cache state, KV event hooks."""
 
 from __future__ import annotations
 
@@ -57,3 +57,36 @@ class EmuAPI:
             "free_pages": pool.free_pages, "used_tokens": pool.used_tokens, "waiting_allocations": pool.waiting,
             "inflight": sorted(eng.inflight), "rooms": len(eng.rooms.rooms),
             "max_req_input_len": eng.cfg.max_req_input_len}))
+
+    async def cache(self, req: Request) -> None:
+        req.respond(200, orjson.dumps(self.engine.prefix_cache.stats()))
+
+    async def get_kv_events(self, req: Request) -> None:
+        pub = self.engine.kv_publisher
+        req.respond(200 if pub is not None else 404, orjson.dumps(pub.state() if pub is not None else
+                                                                  {"error": {"message": "no KV event publisher"}}))
+
+    async def kv_events(self, req: Request) -> None:
+        """Body: any of {"pause": bool, "drop_next": N, "malformed_next": N} (see kv_event_publisher.py)."""
+        pub = self.engine.kv_publisher
+        if pub is None:
+            req.respond(404, orjson.dumps({"error": {"message": "no KV event publisher"}}))
+            return
+        try:
+            body: Any = orjson.loads(req.body or b"{}")
+            if not isinstance(body, dict) or not set(body) <= {"pause", "drop_next", "malformed_next"}:
+                raise ValueError("expected an object with pause, drop_next and/or malformed_next")
+            pause = body.get("pause")
+            counts = [body.get(k) for k in ("drop_next", "malformed_next")]
+            if pause is not None and not isinstance(pause, bool):
+                raise ValueError("pause must be a boolean")
+            if any(c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 0) for c in counts):
+                raise ValueError("drop_next and malformed_next must be non-negative integers")
+        except ValueError as e:
+            req.respond(400, orjson.dumps({"error": {"message": str(e)}}))
+            return
+        if pause is not None:
+            pub.paused = pause
+        if any(c is not None for c in counts):
+            pub.control(*counts)
+        req.respond(200, orjson.dumps({"paused": pub.paused, "drop_next": counts[0], "malformed_next": counts[1]}))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from .config import FAKE_BOOTSTRAP_HOST, EngineConfig
 from .errors import HTTPError
@@ -19,6 +20,7 @@ from .kvpool import KVPool
 from .metrics import Metrics
 from .model import first_token, generate
 from .prefix_cache import PrefixCache
+from .prefill_stats import PrefillStats
 from .reqlog import ABORTED, ReqRecord, RequestLog
 from .tokenizer import PromptTokenizer
 
@@ -66,7 +68,21 @@ class Engine:
         self.metrics = Metrics(cfg.model, cfg.role)
         self.faults = FaultSet()
         self.log = RequestLog(cfg.request_log_size)
-        self.prefix_cache = PrefixCache()
+        self.kv_recorder: Any = None
+        self.kv_publisher: Any = None
+        events = cfg.kv_events
+        if cfg.role == "prefill" and events is not None and events.publisher == "zmq":  # decodes hold no cache
+            from .kv_event_publisher import ZmqEventPublisher
+            from .kv_event_recorder import recorder_for
+
+            self.kv_recorder = recorder_for(cfg.dialect)
+            self.kv_publisher = ZmqEventPublisher(events, cfg.dialect)
+        self.prefix_cache = PrefixCache(cfg.cache_capacity, cfg.page_size, self.kv_recorder)
+        self.prefix_cache.flush()  # RadixCache.__init__ -> reset(): the first batch (seq 0) is AllBlocksCleared
+        self.publish_kv_events()
+        # One GPU prefills one batch at a time: prefills queue for it in arrival order (SGLang's waiting queue).
+        self.timeline = asyncio.Lock()
+        self.prefill_stats = PrefillStats()
         self.inflight: dict[str, Gen] = {}
         self.rooms = RoomRegistry(cfg.bootstrap_timeout_s)
         self.links = DecodeLinks()
@@ -147,15 +163,11 @@ class Engine:
                 raise HTTPError(400, str(e)) from None
             finally:
                 self.rooms.release(room_id, room)
-        n = len(gen.kv_ids)
-        gen.queue = "inflight"
-        await self._alloc(gen, n)
-        if cfg.prefill_tokens_per_s > 0:
-            await asyncio.sleep(n / cfg.prefill_tokens_per_s)
-        pos = gen.positions
-        self.pool.write(pos, gen.kv_ids)
+        await self._forward(gen)
+        pos, n = gen.positions, len(gen.kv_ids)
         gen.first = first_token(self.pool, pos)
         gen.output = [gen.first]
+        gen.queue = "inflight"
         if claim is not None:
             if claim.channel.transport is None or claim.channel.transport.is_closing():
                 self.metrics.transfer_failed.inc()
@@ -163,9 +175,47 @@ class Engine:
                                      f"req.bootstrap_room={room_id}")
             # the Mooncake sender truncates to the destination length the decode pre-allocated
             sent = self.pool.read(pos[:min(n, claim.dst)])
-            claim.channel.send({"room": room_id, "ok": True, "ids": sent, "first": gen.first})
+            # the metadata buffer carries the prefill's cached_tokens, which the decode reports as its own
+            claim.channel.send({"room": room_id, "ok": True, "ids": sent, "first": gen.first,
+                                "cached": gen.rec.cached_tokens})
             gen.rec.transferred_tokens = len(sent)
         gen.queue = ""
+
+    async def _forward(self, gen: Gen) -> None:
+        """Wait for the GPU, match the prefix cache, compute the uncached tokens, cache the prompt
+        (`init_next_round_input`'s match, the forward, `cache_unfinished_req`), publish the step's KV events."""
+        cfg, rec, ids = self.cfg, gen.rec, gen.kv_ids
+        gen.queue = "waiting"
+        async with self.timeline:
+            await self._alloc(gen, len(ids))  # a full pool holds the whole queue, as an unschedulable batch would
+            gen.queue = ""
+            rec.cached_tokens = self.prefix_cache.match(rec.extra_key, ids)
+            self.metrics.cached_tokens.inc(rec.cached_tokens)
+            uncached = len(ids) - rec.cached_tokens
+            busy = uncached / cfg.prefill_tokens_per_s if cfg.prefill_tokens_per_s > 0 else 0.0
+            if busy > 0:
+                await asyncio.sleep(busy)
+            self.pool.write(gen.positions, ids)
+            self.prefix_cache.insert(rec.extra_key, ids)
+            self.publish_kv_events()
+            self.prefill_stats.step(len(ids), rec.cached_tokens, busy)
+
+    def publish_kv_events(self) -> None:
+        """`_publish_kv_events`: what the cache recorded since the last step, as one batch."""
+        if self.kv_recorder is not None:
+            events = self.kv_recorder.take()
+            if events:
+                self.kv_publisher.publish(self.kv_recorder.batch(events))
+
+    def close_kv_events(self) -> None:
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
+
+    def waiting_uncached_tokens(self) -> int:
+        """Prompt tokens of the prefill's waiting queue not in the cache now (0.5.22+ `num_waiting_uncached_tokens`,
+        with the radix tree's fast prefix match)."""
+        return sum(len(g.kv_ids) - self.prefix_cache.peek(g.rec.extra_key, g.kv_ids)
+                   for g in self.inflight.values() if g.queue == "waiting")
 
     async def _decode(self, gen: Gen) -> None:
         cfg, room_id = self.cfg, gen.room
@@ -182,7 +232,8 @@ class Engine:
                                      f"info from bootstrap_addr: {host}:{port}") from None
         n = len(gen.kv_ids)
         gen.queue = "prealloc"
-        await self._alloc(gen, n + gen.max_new)  # waits silently until the pages fit
+        # waits silently (FIFO) until the pages and the reserved decode headroom fit
+        await self._alloc(gen, n + gen.max_new, reserve=cfg.num_reserved_decode_tokens)
         pos = gen.positions
         if link is not None:
             gen.queue = "transfer"
@@ -209,6 +260,7 @@ class Engine:
             ids = frame["ids"]
             self.pool.write(pos[:len(ids)], ids)
             gen.rec.transferred_tokens = len(ids)
+            gen.rec.cached_tokens = frame.get("cached", 0)
             gen.first = frame["first"]
         else:
             gen.first = self.pool.slots[pos[0]]  # FAKE backend: nothing is transferred
@@ -218,8 +270,8 @@ class Engine:
         gen.output = generate(self.pool, pos[:len(gen.input_ids)], gen.first, gen.max_new)
         self.pool.write(pos[n:n + len(gen.output)], gen.output)  # decode writes KV for what it generates
 
-    async def _alloc(self, gen: Gen, tokens: int) -> None:
-        gen.pages = await self.pool.alloc(tokens)
+    async def _alloc(self, gen: Gen, tokens: int, reserve: int = 0) -> None:
+        gen.pages = await self.pool.alloc(tokens, reserve)
         gen.kv_tokens = tokens
         gen.positions = self.pool.positions(gen.pages, tokens)
 
@@ -248,13 +300,14 @@ class Engine:
 
     # load figures
     def queue_counts(self) -> dict[str, int]:
-        counts = {"bootstrap": 0, "inflight": 0, "prealloc": 0, "transfer": 0, "": 0}
+        counts = {"bootstrap": 0, "waiting": 0, "inflight": 0, "prealloc": 0, "transfer": 0, "": 0}
         for g in self.inflight.values():
             counts[g.queue] = counts.get(g.queue, 0) + 1
         return counts
 
     def waiting_tokens(self) -> int:
-        return sum(len(g.kv_ids) for g in self.inflight.values() if g.queue in ("bootstrap", "prealloc", "transfer"))
+        return sum(len(g.kv_ids) for g in self.inflight.values()
+                   if g.queue in ("bootstrap", "waiting", "prealloc", "transfer"))
 
     def note_generated(self, n: int) -> None:
         self.gen_tokens_window[1] += n

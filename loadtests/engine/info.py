@@ -39,10 +39,39 @@ def server_args(cfg: EngineConfig, tokenizer_path: str) -> dict[str, Any]:
         "allow_auto_truncate": False, "tp_size": 1, "dp_size": 1, "pp_size": 1, "load_balance_method": "round_robin",
         "disaggregation_mode": cfg.role, "disaggregation_bootstrap_port": cfg.bootstrap_port,
         "disaggregation_transfer_backend": backend, "disaggregation_decode_tp": None,
-        "disaggregation_decode_dp": None, "disaggregation_ib_device": None, "num_reserved_decode_tokens": 512,
+        "disaggregation_decode_dp": None, "disaggregation_ib_device": None,
+        "num_reserved_decode_tokens": cfg.num_reserved_decode_tokens,
         "enable_metrics": cfg.enable_metrics, "skip_tokenizer_init": False, "stream_output": False,
         "chat_template": cfg.chat_template, "completion_template": None,
+        "kv_events_config": cfg.kv_events_config, "enable_cache_report": cfg.enable_cache_report,
+        "disable_radix_cache": False, "schedule_policy": "fcfs",
     }
+
+
+def kv_events_descriptor(cfg: EngineConfig) -> dict[str, Any] | None:
+    """0.5.22+ `describe_kv_events_publisher`: where a router subscribes (`kv_events` in /server_info); None unless
+    a zmq publisher has a tcp endpoint."""
+    events = cfg.kv_events
+    if events is None or events.publisher == "null" or not events.endpoint or cfg.page_size <= 0:
+        return None
+
+    def host_port(endpoint: str | None) -> tuple[str, int] | None:
+        if not endpoint or not endpoint.startswith("tcp://"):
+            return None
+        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            return None
+        return host, int(port)
+
+    pub = host_port(events.endpoint)
+    if pub is None:
+        return None
+    descriptor: dict[str, Any] = {"publisher": events.publisher, "endpoint_host": pub[0], "endpoint_port_base": pub[1],
+                                  "topic": events.topic, "block_size": cfg.page_size, "dp_size": 1}
+    replay = host_port(events.replay_endpoint)
+    if replay is not None:
+        descriptor["replay_endpoint_port_base"] = replay[1]
+    return descriptor
 
 
 class InfoAPI:
@@ -83,6 +112,8 @@ class InfoAPI:
         body = {**server_args(cfg, self.engine.tok.path), "status": "ready",
                 "max_total_num_tokens": cfg.reported_pool_tokens, "max_req_input_len": cfg.reported_max_req_input_len,
                 "internal_states": [self._internal_state()], "version": cfg.version}
+        if cfg.dialect is not Dialect.V0_5_8:
+            body["kv_events"] = kv_events_descriptor(cfg)  # build_server_info
         req.respond(200, orjson.dumps(body))
 
     async def model_info(self, req: Request) -> None:
@@ -98,7 +129,7 @@ class InfoAPI:
 
     def _counts(self) -> tuple[int, int, int, dict[str, int]]:
         q = self.engine.queue_counts()
-        waiting = q["bootstrap"] + q["prealloc"] + q["transfer"]
+        waiting = q["bootstrap"] + q["waiting"] + q["prealloc"] + q["transfer"]
         running = len(self.engine.inflight) - waiting
         num_tokens = self.engine.pool.used_tokens + self.engine.waiting_tokens()
         return running, waiting, num_tokens, q
@@ -110,6 +141,13 @@ class InfoAPI:
                                         "num_tokens": num_tokens, "ts_tic": time.time()}]))
 
     async def loads(self, req: Request) -> None:
+        if self.cfg.dialect is Dialect.V0_5_8:
+            self._loads_058(req)
+        else:
+            self._loads_0522(req)
+
+    def _loads_058(self, req: Request) -> None:
+        """0.5.8 `get_loads` (GetLoadsReqOutput, None sections and the timestamp dropped) and its envelope."""
         cfg, pool = self.cfg, self.engine.pool
         running, waiting, _, q = self._counts()
         usage = pool.used_tokens / cfg.max_total_num_tokens
@@ -117,26 +155,79 @@ class InfoAPI:
         load: dict[str, Any] = {
             "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
             "num_used_tokens": pool.used_tokens, "max_total_num_tokens": cfg.max_total_num_tokens,
-            "token_usage": usage, "gen_throughput": throughput, "cache_hit_rate": 0.0, "utilization": usage,
+            "token_usage": round(usage, 4), "gen_throughput": round(throughput, 2),
+            "cache_hit_rate": round(self.engine.prefill_stats.cache_hit_rate, 4), "utilization": round(usage, 4),
             "max_running_requests": 4096,
             "memory": {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0,
                        "token_capacity": cfg.max_total_num_tokens},
             "disaggregation": {"mode": cfg.role, "prefill_prealloc_queue_reqs": q["bootstrap"],
                                "prefill_inflight_queue_reqs": q["inflight"],
                                "decode_prealloc_queue_reqs": q["prealloc"],
-                               "decode_transfer_queue_reqs": q["transfer"]},
+                               "decode_transfer_queue_reqs": q["transfer"], "decode_retracted_queue_reqs": 0,
+                               "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0},
+            "queues": {"waiting": q["waiting"], "grammar": 0, "paused": 0, "retracted": 0},
         }
         if req.query.get("format") == "prometheus":
             lines = [f"sglang_{k}{{dp_rank=\"0\"}} {v}" for k, v in load.items()
                      if isinstance(v, (int, float)) and k != "dp_rank"]
             req.respond(200, ("\n".join(lines) + "\n").encode(), TEXT)
             return
+        load["num_total_reqs"] = running + waiting
         req.respond(200, orjson.dumps({
             "timestamp": datetime.now(timezone.utc).isoformat(), "version": cfg.version, "dp_rank_count": 1,
             "loads": [load],
             "aggregate": {"total_running_reqs": running, "total_waiting_reqs": waiting,
-                          "total_reqs": running + waiting, "avg_token_usage": usage, "avg_throughput": throughput,
-                          "avg_utilization": usage}}))
+                          "total_reqs": running + waiting, "avg_token_usage": round(usage, 4),
+                          "avg_throughput": round(throughput, 2), "avg_utilization": round(usage, 4)}}))
+
+    def _loads_0522(self, req: Request) -> None:
+        """0.5.22+ `SchedulerLoadInquirer.get_loads` (LoadSnapshot.to_dict: every core field, then the sections)
+        and its envelope (no aggregate; accelerator metadata)."""
+        eng, cfg, pool = self.engine, self.cfg, self.engine.pool
+        running, waiting, _, q = self._counts()
+        kv = {g: len(g.kv_ids) for g in eng.inflight.values()}
+        pending = sum(n for g, n in kv.items() if g.queue in ("bootstrap", "waiting", "prealloc"))
+        awaiting_kv = sum(n for g, n in kv.items() if g.queue in ("prealloc", "transfer"))
+        ready = [n for g, n in kv.items() if g.queue == "prealloc"]  # handshake done, waiting for KV room
+        usage = pool.used_tokens / cfg.max_total_num_tokens
+        stats = eng.prefill_stats
+        total = pool.used_tokens + pending
+        load: dict[str, Any] = {
+            "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+            "num_waiting_uncached_tokens": eng.waiting_uncached_tokens() if cfg.role == "prefill" else 0,
+            "num_used_tokens": pool.used_tokens, "num_total_tokens": total,
+            "num_active_tokens": max(0, total - awaiting_kv), "num_prealloc_ready_tokens": sum(ready),
+            "max_total_num_tokens": cfg.max_total_num_tokens, "max_running_requests": 4096,
+            "token_usage": round(usage, 4), "gen_throughput": round(eng.gen_throughput(), 2),
+            "cache_hit_rate": round(stats.cache_hit_rate, 4), "utilization": round(usage, 4),
+            "total_prefill_uncached_tokens": stats.uncached_tokens, "total_prefill_busy_us": stats.busy_us,
+            "decode_moments": None,
+            "memory": {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0,
+                       "token_capacity": cfg.max_total_num_tokens},
+            "disaggregation": {"mode": cfg.role, "prefill_bootstrap_queue_reqs": q["bootstrap"],
+                               "prefill_inflight_queue_reqs": q["inflight"],
+                               "decode_prealloc_queue_reqs": q["prealloc"],
+                               "decode_transfer_queue_reqs": q["transfer"], "decode_retracted_queue_reqs": 0,
+                               "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0},
+            "queues": {"waiting": q["waiting"], "grammar": 0, "paused": 0, "retracted": 0,
+                       "prealloc_ready": len(ready)},
+        }
+        if req.query.get("format") == "prometheus":
+            lines: list[str] = []
+            prefixes = {"disaggregation": "disagg"}
+            for key, value in load.items():
+                if key == "dp_rank":
+                    continue
+                items = ([(f"sglang_{prefixes.get(key, key)}_{k}", v) for k, v in value.items()]
+                         if isinstance(value, dict) else [(f"sglang_{key}", value)])
+                for name, v in items:
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        lines += [f"# TYPE {name} gauge", f'{name}{{dp_rank="0"}} {v}']
+            req.respond(200, ("\n".join(lines) + "\n").encode(), b"text/plain; version=0.0.4; charset=utf-8")
+            return
+        req.respond(200, orjson.dumps({
+            "timestamp": datetime.now(timezone.utc).isoformat(), "version": cfg.version, "accelerator": None,
+            "num_accelerators": 1, "loads": [load]}))
 
     async def metrics(self, req: Request) -> None:
         req.respond(200, self.engine.metrics.render(self._refresh), b"text/plain; version=0.0.4; charset=utf-8")
@@ -145,11 +236,11 @@ class InfoAPI:
         cfg, pool = self.cfg, self.engine.pool
         running, waiting, _, q = self._counts()
         m.num_running_reqs.set(running)
-        m.num_queue_reqs.set(0)  # PD servers queue in the disaggregation queues below
+        m.num_queue_reqs.set(q["waiting"])  # the prefill's waiting queue (PD decodes queue in prealloc/transfer)
         m.num_used_tokens.set(pool.used_tokens)
         m.token_usage.set(pool.used_tokens / cfg.max_total_num_tokens)
         m.max_total_num_tokens.set(cfg.max_total_num_tokens)
-        m.cache_hit_rate.set(0.0)
+        m.cache_hit_rate.set(self.engine.prefill_stats.cache_hit_rate)
         m.gen_throughput.set(self.engine.gen_throughput())
         m.prefill_prealloc.set(q["bootstrap"])
         m.prefill_inflight.set(q["inflight"])
@@ -157,7 +248,14 @@ class InfoAPI:
         m.decode_transfer.set(q["transfer"])
 
     async def flush_cache(self, req: Request) -> None:
-        req.respond(400 if self.engine.inflight else 200, _FLUSH_MSG, TEXT)
+        """`flush_cache`: refused while requests run or wait; otherwise the radix cache resets, which publishes
+        AllBlocksCleared."""
+        if self.engine.inflight:
+            req.respond(400, _FLUSH_MSG, TEXT)
+            return
+        self.engine.prefix_cache.flush()
+        self.engine.publish_kv_events()
+        req.respond(200, _FLUSH_MSG, TEXT)
 
     async def abort_request(self, req: Request) -> None:
         """Prefix match on rid, as `Scheduler.abort_request` does; unknown rids are a silent no-op."""

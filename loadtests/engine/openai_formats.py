@@ -68,6 +68,7 @@ class OpenAIFormat(Format):
     def __init__(self, dialect: Dialect, model: type[BaseModel]) -> None:
         self.dialect = dialect
         self.model = model
+        self.cache_report = False  # --enable-cache-report
 
     def _validate(self, body: dict[str, Any]) -> Any:
         try:
@@ -90,13 +91,24 @@ class OpenAIFormat(Format):
     def stream_error(self, status: int, msg: str) -> bytes:
         return sse({"error": openai_error(status, msg, _error_type(status))})
 
-    def usage(self, prompt: int, completion: int) -> dict[str, Any]:
+    def usage(self, prompt: int, completion: int, details: dict[str, int] | None = None) -> dict[str, Any]:
         """UsageInfo as pydantic dumps it (0.5.23 added completion_tokens_details)."""
         u = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-             "prompt_tokens_details": None, "reasoning_tokens": 0}
+             "prompt_tokens_details": details, "reasoning_tokens": 0}
         if self.dialect >= Dialect.V0_5_23:
             u["completion_tokens_details"] = None
         return u
+
+    def cached_details(self, gen: Any) -> dict[str, int] | None:
+        """`prompt_tokens_details` of a response's usage and of the final usage chunk, with --enable-cache-report
+        only (UsageProcessor): 0.5.8 `{"cached_tokens": N}` only when N > 0 (`_details_if_cached`), 0.5.22+ always
+        (`PromptTokensDetails`, its absent multimodal counts dropped)."""
+        if not self.cache_report:
+            return None
+        cached = gen.rec.cached_tokens
+        if self.dialect < Dialect.V0_5_22:
+            return {"cached_tokens": cached} if cached > 0 else None
+        return {"cached_tokens": cached}
 
     def _choice(self, text: str, finish: str | None) -> dict[str, Any]:
         raise NotImplementedError
@@ -108,7 +120,7 @@ class OpenAIFormat(Format):
             choice["logprobs"] = self._logprobs(gen.output, spec.output_logprobs)
         return orjson.dumps({"id": gen.rid, "object": self.obj, "created": int(time.time()), "model": spec.model,
                              "choices": [choice],
-                             "usage": self.usage(reported_prompt_tokens(gen), n),
+                             "usage": self.usage(reported_prompt_tokens(gen), n, self.cached_details(gen)),
                              "metadata": {"weight_version": "default"}})
 
     def _logprobs(self, ids: list[int], alternatives: int) -> dict[str, Any]:
@@ -210,7 +222,7 @@ class ChatFormat(OpenAIFormat):
         out = b""
         if index >= 0 and st.output_logprobs is not None:  # per-token logprobs: no cached frame
             st.ids.append(index)
-            usage = self.usage(reported_prompt_tokens(st.gen), len(st.ids)) if st.continuous_usage else None
+            usage = self._running_usage(st) if st.continuous_usage else None
             out = self._chunk(st, {"content": delta}, None, usage, self._logprobs([index], st.output_logprobs))
         elif index >= 0:
             st.ids.append(index)
@@ -219,7 +231,7 @@ class ChatFormat(OpenAIFormat):
                 head, _, rest = self._chunk(st, {"content": "\x00"}, None, usage).partition(_CONTENT_MARK)
                 st.frame = (head, *rest.partition(_USAGE_MARK)[::2]) if st.continuous_usage else (head, rest)
             if st.continuous_usage:
-                usage_json = orjson.dumps(self.usage(reported_prompt_tokens(st.gen), len(st.ids)))
+                usage_json = orjson.dumps(self._running_usage(st))
                 out = st.frame[0] + orjson.dumps(delta) + st.frame[1] + usage_json + st.frame[2]
             else:
                 out = st.frame[0] + orjson.dumps(delta) + st.frame[1]
@@ -227,10 +239,16 @@ class ChatFormat(OpenAIFormat):
             out += self._chunk(st, {}, _finish_type(finish))
         return out
 
+    def _running_usage(self, st: StreamState) -> dict[str, Any]:
+        """continuous_usage_stats: 0.5.22+ adds the cached count (`_continuous_usage_cached_details`), 0.5.8 not."""
+        details = self.cached_details(st.gen) if self.dialect >= Dialect.V0_5_22 else None
+        return self.usage(reported_prompt_tokens(st.gen), len(st.ids), details)
+
     def stream_tail(self, st: StreamState) -> list[bytes]:
         if not st.include_usage:
             return []
-        return [self._usage_chunk(st, self.usage(reported_prompt_tokens(st.gen), len(st.ids)))]
+        usage = self.usage(reported_prompt_tokens(st.gen), len(st.ids), self.cached_details(st.gen))
+        return [self._usage_chunk(st, usage)]
 
 
 class CompletionFormat(OpenAIFormat):
@@ -283,5 +301,6 @@ class CompletionFormat(OpenAIFormat):
     def stream_tail(self, st: StreamState) -> list[bytes]:
         if not st.include_usage:  # model_dump_json(exclude_none=True): the null details vanish
             return []
-        usage = {k: v for k, v in self.usage(reported_prompt_tokens(st.gen), len(st.ids)).items() if v is not None}
+        full = self.usage(reported_prompt_tokens(st.gen), len(st.ids), self.cached_details(st.gen))
+        usage = {k: v for k, v in full.items() if v is not None}
         return [self._usage_chunk(st, usage)]
