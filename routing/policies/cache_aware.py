@@ -8,23 +8,24 @@ from routing.prefix_index import PromptTokens
 from routing.workers import Worker
 
 
-# A prompt whose best match covers less than this share of it is placed for balance, not for its match: sending
-# every conversation that shares only a short system prompt to one engine would fill that engine's cache and leave
-# the others' empty (sglang-router's cache_threshold, 0.5 by default, draws the same line).
-MIN_MATCH_SHARE = 0.5
+# How much one token more in a prefill's cache than in the emptiest one's weighs against a token of prefill saved.
+# Without it, every conversation that shares a short system prompt would follow the first engine that held it, fill
+# that engine's cache and leave the others' empty (then thrash): a new conversation saves only the system prompt
+# and goes where there is room; a continuing one saves its whole history and stays.
+SPREAD_WEIGHT = 0.5
 
 
 class CacheAware:
-    """Where a prompt's KV already is, unless waiting there costs more than computing it elsewhere.
+    """Where a prompt's KV already is, unless waiting there, or crowding that cache, costs more than computing it
+    elsewhere.
 
-    With a match covering at least MIN_MATCH_SHARE of the prompt somewhere: the prefill that would finish this
-    prompt's prefill soonest, i.e. the least uncached prompt tokens it still has queued from this gateway
-    (`Worker.prefill_backlog`) plus the part of this prompt it does not hold. So the longest match wins while loads
-    are even, and a hot prefix spills to another engine once queueing there would cost more than computing the
-    prefix again. Otherwise (nothing worth following): the least queued work, then the emptiest index (the most
-    room for a new conversation), then the fewest requests in flight (other replicas' included). Full ties rotate.
-    The pick is recorded in the worker's index: its prefill will hold the prompt next. Requests without token ids
-    go to the least loaded."""
+    Each prefill is scored in prompt tokens: its queued uncached work from this gateway (`Worker.prefill_backlog`,
+    a GPU prefills one batch at a time), plus the part of this prompt it does not hold, plus SPREAD_WEIGHT times the
+    tokens its cache index holds beyond the emptiest one's. The lowest score wins; ties go to the longer match, then
+    the fewer requests in flight (other replicas' included), then round robin. So the longest match wins while loads
+    are even, a hot prefix spills once queueing costs more than recomputing it, and with nothing cached it is the
+    least loaded engine by work. The pick is recorded in the worker's index: its prefill will hold the prompt next.
+    Requests without token ids go to the least loaded."""
 
     def __init__(self) -> None:
         self._fallback = LeastOutstanding()
@@ -38,11 +39,10 @@ class CacheAware:
         n = len(workers)
         rotated = [workers[(self._next + i) % n] for i in range(n)]  # full ties spread as round robin
         matches = [_match(worker, prompt) for worker in rotated]
-        if max(matches) >= MIN_MATCH_SHARE * prompt.tokens > 0:
-            ranks = [(w.prefill_backlog + prompt.tokens - cached, -cached, w.fleet_in_flight)
-                     for w, cached in zip(rotated, matches)]
-        else:
-            ranks = [(w.prefill_backlog, _index_fill(w), w.fleet_in_flight) for w in rotated]
+        held = [_held_tokens(worker) for worker in rotated]
+        emptiest = min(held)
+        ranks = [(w.prefill_backlog + prompt.tokens - cached + SPREAD_WEIGHT * (tokens - emptiest), -cached,
+                  w.fleet_in_flight) for w, cached, tokens in zip(rotated, matches, held)]
         at = min(range(n), key=ranks.__getitem__)
         best = rotated[at]
         prompt.predicted_cached = matches[at]
@@ -51,12 +51,11 @@ class CacheAware:
         return best
 
 
-
 def _match(worker: Worker, prompt: PromptTokens) -> int:
     index = worker.cache_index
     return min(index.match(prompt), prompt.tokens) if index is not None else 0
 
 
-def _index_fill(worker: Worker) -> float:
+def _held_tokens(worker: Worker) -> int:
     index = worker.cache_index
-    return index.sent_blocks / index.capacity_blocks if index is not None else 0.0
+    return index.sent_blocks * index.block_tokens if index is not None else 0

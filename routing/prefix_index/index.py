@@ -7,12 +7,14 @@ request's `extra_key` (0.5.8 `RadixCache._record_store_event` hashes token ids o
 
 - *sent*: the prompts kvgate sent to the worker, keyed per namespace, bounded by the engine's pool. A tenant is only
   ever routed by its own namespace's entries here, never by another tenant's pages.
-- *held*: what the engine itself reports stored and evicted (namespace-blind), from its KV events. Where it is
-  complete (the subscriber saw every batch since the engine started or last cleared its cache), a block counts only
-  while the engine still holds it: an eviction shows at the next pick. Where it is not (kvgate subscribed late or
-  lost batches it could not replay), only blocks the engine reported evicted are discounted.
+- *held*: what the engine itself reports stored and evicted (namespace-blind), from its KV events: a block the
+  engine reports evicted no longer counts until it reports it stored again, so an eviction shows at the next pick.
+  Blocks kvgate just sent count before their BlockStored arrives (events trail the answer by a scheduler step).
 
-A block is predicted cached when *sent* has it for the request's namespace and *held* does not contradict it.
+A block is predicted cached when *sent* has it for the request's namespace and *held* does not report it evicted.
+The mode says how much of the engine's history the events cover: all of it since the engine's cache was last empty
+(*exact*), or not (*partial*: kvgate subscribed late, or lost batches it could not replay, so an eviction of a page
+stored before then cannot be placed and is not seen).
 """
 
 from __future__ import annotations
@@ -207,11 +209,12 @@ class CacheIndex:
         return depth * self.block_tokens
 
     def _still_held(self, prompt: PromptTokens, depth: int) -> int:
+        """Of the first `depth` blocks, those before the first one the engine reported evicted (and holds in no
+        data-parallel rank)."""
         blind = prompt.keys(self.block_tokens, namespaced=False)[:depth]
         ranks = self.ranks
-        if self.mode is CacheMode.EXACT:
-            return prefix_depth(blind, lambda key: any(key in rank for rank in ranks))
-        return prefix_depth(blind, lambda key: not all(rank.evicted(key) for rank in ranks))
+        return prefix_depth(blind, lambda key: not any(rank.evicted(key) for rank in ranks)
+                            or any(key in rank for rank in ranks))
 
     def record(self, prompt: PromptTokens) -> None:
         """The prompt was sent to this worker: its prefill will hold the prompt's blocks in its namespace."""

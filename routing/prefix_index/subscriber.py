@@ -76,6 +76,7 @@ class _Rank:
     connected: bool = False
     answering: bool = True  # the replay socket answered its last liveness probe
     reconnected: bool = False  # the SUB connection dropped since the last batch (a sequence behind: a restart)
+    last_streamed: int = -1  # the last sequence that came on the stream itself (not from a replay)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one batch applied at a time: stream, gaps, probes
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     sockets: list[zmq.asyncio.Socket] = field(default_factory=list)  # the SUB socket, then its monitor
@@ -174,8 +175,9 @@ class KvEventSubscriber:
             self.stats.malformed += 1
             return
         expected = rank.next_seq
+        streamed_before, rank.last_streamed = rank.last_streamed, seq
         if expected is not None and seq < expected:
-            if not rank.reconnected:
+            if not rank.reconnected and seq > streamed_before:
                 return  # a batch a replay already applied, arriving late on the stream
             # The sequence restarts with the engine process.
             self.stats.restarts += 1
@@ -244,10 +246,11 @@ class KvEventSubscriber:
             while True:
                 async with asyncio.timeout(self._liveness_s):
                     frames = await dealer.recv_multipart()
-                if len(frames) != 3:
+                # (b"", seq, payload): the ROUTER's reply to a DEALER keeps the REQ-style empty delimiter.
+                if len(frames) < 3 or any(frames[:-2]):
                     self.stats.malformed += 1
                     continue
-                seq = decode_sequence(frames[1])
+                seq = decode_sequence(frames[-2])
                 if seq == _END:
                     break
                 if stop is not None and seq >= stop:
@@ -256,7 +259,7 @@ class KvEventSubscriber:
                     continue
                 if seq > expected:
                     complete = False  # the buffer no longer holds what came between
-                await self._apply(rank, seq, frames[2])
+                await self._apply(rank, seq, frames[-1])
                 expected = seq + 1
             rank.answering = True
             return complete and (stop is None or expected == stop)

@@ -131,7 +131,8 @@ def test_a_cache_salt_never_routes_by_another_namespaces_pages_and_cache_aware_t
         chat(gateway, conversation(3, 2), cache_salt="team-a")
         assert predicted_for(gateway, conversation(3, 2), cache_salt="team-a") > 0
         assert predicted_for(gateway, conversation(3, 2), cache_salt="team-b") == 0  # the engine holds the same
-        last = [r for engine in prefills for r in generation_records(engine) if r.get("prompt_tokens")][-1]
+        last = max((r for engine in prefills for r in generation_records(engine) if r.get("prompt_tokens")),
+                   key=lambda r: r["arrival"])
         assert last["cached_tokens"] == 0  # ... and SGLang agrees: another namespace shares nothing
     with gateway_for(engines, tmp_path, routing={"cache_aware_tokens": 64}) as gateway:
         chat(gateway, conversation(4, 2))
