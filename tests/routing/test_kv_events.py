@@ -31,7 +31,8 @@ def free_port() -> int:
 class Publisher:
     """SGLang's publisher, as a test double on real sockets: sequence from 0, a replay buffer, -1 at the end."""
 
-    def __init__(self, pub_port: int, replay_port: int) -> None:
+    def __init__(self, pub_port: int, replay_port: int, topic: bytes = b"") -> None:
+        self.topic = topic
         ctx = zmq.asyncio.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -53,7 +54,7 @@ class Publisher:
         seq, self.seq = self.seq, self.seq + 1
         self.buffer.append((seq, body))
         if send:
-            await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), body])
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), body])
 
     async def _serve_replay(self) -> None:
         while True:
@@ -201,3 +202,30 @@ async def _test_a_killed_publisher_falls_back_to_approximate_within_one_interval
     await until(lambda: subscriber.mode is CacheMode.APPROXIMATE, timeout_s=2 * LIVENESS_S + 1)
     assert asyncio.get_running_loop().time() - started <= 2 * LIVENESS_S + 0.5
     assert index.mode is CacheMode.APPROXIMATE and index.match(prompt(A)) == 288  # routes by what kvgate sent
+
+
+def test_only_the_configured_topic_is_followed() -> None:
+    async def scenario() -> None:
+        ports = free_port(), free_port()
+        publisher = Publisher(*ports, topic=b"kv-prefill-0")
+        indexes = {}
+        subscribers = []
+        for topic in ("kv-prefill-0", "kv-other"):
+            index = indexes[topic] = CacheIndex(page_size=16, capacity_tokens=1_000_000)
+            subscriber = KvEventSubscriber(topic, index, [EventsEndpoint(f"tcp://127.0.0.1:{ports[0]}", None, topic)],
+                                           liveness_s=LIVENESS_S)
+            subscriber.start()
+            subscribers.append(subscriber)
+        try:
+            await until(lambda: all(rank.connected for sub in subscribers for rank in sub._ranks))
+            await asyncio.sleep(0.2)
+            await publisher.publish(stored(A, 100))
+            await until(lambda: indexes["kv-prefill-0"].held_blocks == 10)
+            await asyncio.sleep(0.2)
+            assert indexes["kv-other"].held_blocks == 0 and subscribers[1].stats.batches == 0
+        finally:
+            for subscriber in subscribers:
+                await subscriber.stop()
+            await publisher.close()
+
+    asyncio.run(scenario())
