@@ -232,11 +232,28 @@ def _reset(prefills: list[RunningEngine]) -> None:
         httpx.post(f"{prefill.url}/emu/reset", timeout=30).raise_for_status()
 
 
+def _warm_up(url: str, timeout_s: float = 60.0) -> None:
+    """Until the front serves: sglang-router's /health answers before its workers are in rotation."""
+    deadline = time.monotonic() + timeout_s
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1}
+    while True:
+        try:
+            if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not serve a chat within {timeout_s:.0f}s")
+        time.sleep(0.25)
+
+
 def run_one(spec: FrontSpec, workload: Workload, directory: Path, prefills: list[RunningEngine],
             decodes: list[RunningEngine], router_python: str) -> Result:
     _reset(prefills)
     process, url = _start_front(spec, directory, prefills, decodes, router_python)
     try:
+        _warm_up(url)
+        _reset(prefills)  # the warm-up's few tokens leave no trace in the figures
         time.sleep(0.5)  # KV-event subscriptions settle (a SUB misses what is published before it joins)
         ttfts, failures, wall_s = asyncio.run(_run(url, workload, spec.sticky))
     finally:
