@@ -239,6 +239,7 @@ class KvEventSubscriber:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(replay)
+        topic = rank.endpoint.topic.encode()
         expected = start
         complete = True
         try:
@@ -246,8 +247,9 @@ class KvEventSubscriber:
             while True:
                 async with asyncio.timeout(self._liveness_s):
                     frames = await dealer.recv_multipart()
-                # (b"", seq, payload): the ROUTER's reply to a DEALER keeps the REQ-style empty delimiter.
-                if len(frames) < 3 or any(frames[:-2]):
+                # (b"", seq, payload) in 0.5.8, (b"", topic, seq, payload) in 0.5.22+: the ROUTER's reply to a
+                # DEALER keeps the REQ-style empty delimiter; the end marker's topic frame is empty.
+                if len(frames) < 3 or frames[0] or any(f not in (b"", topic) for f in frames[1:-2]):
                     self.stats.malformed += 1
                     continue
                 seq = decode_sequence(frames[-2])
