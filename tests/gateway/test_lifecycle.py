@@ -69,6 +69,8 @@ def _long_chat(stream: bool) -> dict:
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_during_slow_prefill_holds_prefill_to_its_end_and_decode_to_first_token_then_aborts(
         gateway: RunningGateway, pair: EnginePair, stream: bool) -> None:
+    # The emulated prefill keeps a radix cache: the other case's identical prompt must not make this one instant.
+    assert httpx.post(pair.prefill.url + "/flush_cache", timeout=10).status_code == 200
     _send_then_disconnect(gateway, _long_chat(stream), after_s=0.3)
     decode = wait_for(lambda: [r for r in generation_records(pair.decode) if r["outcome"]], timeout_s=10)
     prefill = wait_for(lambda: [r for r in generation_records(pair.prefill) if r["outcome"]], timeout_s=10)
