@@ -29,19 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(level)
     try:
         if args.command == "serve":
-            from gateway.server import serve
+            from gateway.commands.supervisor import serve
             config = load_config(args.config)
             configure_logging(level, config.logging)
             if args.workers < 1:
                 parser.error("--workers must be at least 1")
             return serve(config, log_level=args.log_level, config_path=args.config, workers=args.workers)
         if args.command == "canary":
-            from gateway.canary import run_canary
+            from gateway.commands.canary import run_canary
             return run_canary(load_config(args.config))
         if args.command == "preflight":
-            from gateway.preflight import run_preflight
+            from gateway.commands.preflight import run_preflight
             return run_preflight(load_config(args.config), as_json=args.json)
-        from gateway.demo import run_demo
+        from gateway.commands.demo import run_demo
         return run_demo(args.config)
     except ConfigError as exc:
         print(f"kvgate: configuration error: {exc}", file=sys.stderr)

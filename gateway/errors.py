@@ -71,3 +71,20 @@ def bad_request(message: str, *, param: str | None = None, code: str = "invalid_
 
 def context_length_exceeded(message: str, *, param: str = "messages") -> GatewayError:
     return GatewayError(413, message, param=param, code="context_length_exceeded")
+
+
+# Errors raised from more than one place, named once.
+def shutting_down() -> GatewayError:
+    return GatewayError(503, "the gateway is shutting down", code="shutting_down")
+
+
+def aborted_by_operator() -> GatewayError:
+    return GatewayError(503, "the request was aborted by an operator", code="aborted_by_operator")
+
+
+def model_unavailable(name: str, reason: str, *, detail: str | None = None) -> GatewayError:
+    return GatewayError(503, f"model {name!r} is not served: {reason}", code="model_unavailable", detail=detail)
+
+
+def model_disabled(name: str) -> GatewayError:
+    return GatewayError(503, f"model {name!r} was disabled by an operator", code="model_disabled")

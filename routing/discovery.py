@@ -91,6 +91,10 @@ class Discovery:
         self._resolver = resolver
         self._tasks: list[asyncio.Task[None]] = []
 
+    async def initial(self) -> list[tuple[str, WorkerSpec]]:
+        """(model, spec) of every worker the names resolve to now, before the gateway starts serving."""
+        return await initial_specs(self._resolver, self._sources)
+
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._run(source), name=f"kvgate-dns-{source.name}")

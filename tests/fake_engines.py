@@ -93,7 +93,7 @@ class FakeLink:
 
 
 class FakeEngines:
-    """Implements what `gateway.lifecycle.Engines` needs; aborts answer after `abort_delay_s`."""
+    """Implements what `gateway.pd.ports.Engines` needs; aborts answer after `abort_delay_s`."""
 
     def __init__(self, prefill: Worker, decode: Worker, abort_delay_s: float = 0.0) -> None:
         self.log: list[tuple[str, str]] = []

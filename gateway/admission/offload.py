@@ -2,9 +2,9 @@
 
 Threads are not enough: parsing JSON (orjson), rendering a template and joining large strings are C calls that hold
 the GIL throughout — a 64 MiB body of tiny objects takes seconds to parse — and the event loop waits for every one
-of them. A large body (`gateway.body`) is therefore admitted whole (parse, reduce, render, count, build the engine body) in a
-separate process, which reads it from the file it was spooled to; only the engine body of an admitted request comes
-back. Small bodies, whose every step is bounded to a few milliseconds, stay on the loop, where they are cheapest.
+of them. A large body (`gateway.http.body`) is therefore admitted whole (parse, reduce, render, count, build the
+engine body) in a separate process, which reads it from the file it was spooled to; only the engine body of an
+admitted request comes back. Small bodies, whose every step is bounded to a few milliseconds, stay on the loop, where they are cheapest.
 
 Each worker process builds every model's tokenizer, template and token-count cache once (lazily, on the first large
 body); a tenant's bodies go to the same worker, so its count cache stays warm. The worker only counts and checks: the
@@ -63,7 +63,7 @@ class AdmissionWorkers:
         return await self._run(tenant, _admit, route, body_path, tenant, state)
 
     async def tokenize(self, kind: Kind, body_path: str, *, tenant: str, limits: dict[str, PromptLimits]) -> bytes:
-        """The JSON answer of `/v1/tokenize` or `/v1/detokenize` to a large body (see gateway.tokenize_api)."""
+        """The JSON answer of `/v1/tokenize` or `/v1/detokenize` to a large body (see gateway.http.tokenize)."""
         return await self._run(tenant, _tokenize, kind, body_path, limits)
 
     async def _run(self, tenant: str, function: Callable[..., T], *args: Any) -> T:

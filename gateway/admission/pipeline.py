@@ -16,7 +16,7 @@ from gateway.admission.requests import Route, decode_json_object, parse_request,
     requested_model
 from gateway.admission.tokenizer import ModelTokenizer
 from gateway.config import ModelConfig
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import GatewayError, bad_request, model_unavailable
 
 M = TypeVar("M")
 OFF_LOOP_BYTES = 8 * 1024
@@ -65,7 +65,7 @@ def resolve_model(name: str | None, models: Mapping[str, M], unavailable: Callab
         raise reject_unknown_model(name, list(models))
     reason = unavailable(model)
     if reason:
-        raise GatewayError(503, f"model {name!r} is not served: {reason}", code="model_unavailable")
+        raise model_unavailable(name, reason)
     return model
 
 

@@ -1,5 +1,5 @@
 """What `/v1/tokenize` and `/v1/detokenize` answer, as a pure function of the body (no I/O): run on a thread of the
-gateway for a small body, in an admission worker process for a large one (`gateway.tokenize_api` serves them)."""
+gateway for a small body, in an admission worker process for a large one (`gateway.http.tokenize` serves them)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from gateway.telemetry.metrics import GatewayMetrics, rejection_reason
 from gateway.telemetry.record import RequestRecord
 
 if TYPE_CHECKING:
-    from gateway.lifecycle import PDExchange
+    from gateway.pd.exchange import PDExchange
 
 access_log = logging.getLogger("kvgate.access")
 

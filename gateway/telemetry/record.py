@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from gateway.admission.admit import AdmittedRequest
-    from gateway.lifecycle import PDExchange
+    from gateway.pd.exchange import PDExchange
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from gateway.config import TracingConfig
 from gateway.telemetry.record import RequestRecord
 
 if TYPE_CHECKING:
-    from gateway.lifecycle import PDExchange
+    from gateway.pd.exchange import PDExchange
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 # W3C Trace Context: version ff is invalid, and so are an all-zero trace id or parent id.

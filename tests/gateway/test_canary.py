@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.canary import run_canary
+from gateway.commands.canary import run_canary
 from gateway.config import load_config
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import wait_for

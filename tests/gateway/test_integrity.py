@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.provenance import ProvenanceWindow, answer_text
+from gateway.integrity.provenance import ProvenanceWindow, answer_text
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import inject, wait_for
 from tests.gateway_harness import model_entry, running_gateway, write_config

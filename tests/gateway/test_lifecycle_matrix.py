@@ -16,8 +16,11 @@ from gateway.admission.admit import AdmittedRequest
 from gateway.admission.dialects import Dialect
 from gateway.admission.requests import UsageOptions
 from gateway.config import TimeoutsConfig
-from gateway.lifecycle import (ClientGone, Done, ExchangeRegistry, Failure, PDExchange, RelayEvent, Release,
-                               RoomAllocator, TTFTPlausibility)
+from gateway.integrity.ttft import TTFTPlausibility
+from gateway.pd.events import ClientGone, Done, Failure, RelayEvent
+from gateway.pd.exchange import PDExchange
+from gateway.pd.plan import ExchangePlan, Release
+from gateway.pd.registry import ExchangeRegistry
 from routing.engines.errors import (EngineBroken, EngineChanged, EngineError, EngineRejected, EngineTimeout,
                                     EngineUnreachable)
 from routing.breaker import BreakerSpec, BreakerState
@@ -51,9 +54,9 @@ class Run:
         admitted = admitted or AdmittedRequest("/generate", "glm-5", True, b'{"text":"hi","sampling_params":{}}',
                                                {Dialect.V0_5_23: COUNT}, 4, UsageOptions(),
                                                merge_logprobs=merge_logprobs)
-        self.exchange = PDExchange(self.engines, Lease(WorkerPair(prefill, decode)), admitted, timeouts=timeouts,
-                                   release=release, registry=ExchangeRegistry(), rooms=RoomAllocator(),
-                                   plausibility=plausibility)
+        self.exchange = PDExchange(self.engines, Lease(WorkerPair(prefill, decode)),
+                                   ExchangePlan(admitted, timeouts=timeouts, release=release,
+                                                plausibility=plausibility), ExchangeRegistry())
         self.prefill, self.decode = self.engines.prefill, self.engines.decode
 
     async def start(self) -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from gateway.config import load_config
-from gateway.preflight import collect, report, run_preflight
+from gateway.commands.preflight import collect, report, run_preflight
 from loadtests.engine.harness import EnginePair, start_pair
 from routing.deployment_checks import CheckPolicy, check_worker
 from routing.engines.identity import EngineIdentity, RenderingSettings, TransferSettings, parse_identity
@@ -94,7 +94,7 @@ def test_one_worker_that_differs_is_the_one_that_fails() -> None:
 
 
 def test_every_policy_in_the_yaml_reaches_the_gate(tmp_path: Path) -> None:
-    from gateway.runtime import model_spec
+    from gateway.serving.models import model_spec
     from routing.engine_info import EngineInfo, Reading
     from routing.gate import judge_model
     from routing.workers import Worker, WorkerSpec
@@ -149,7 +149,7 @@ def test_an_engine_that_renders_chats_its_own_way_fails_unless_kvgate_applies_th
 
 @pytest.mark.parametrize("action", [None, "warn"])
 def test_engine_chat_rendering_in_the_yaml_reaches_the_gate(tmp_path: Path, action: str | None) -> None:
-    from gateway.runtime import model_spec
+    from gateway.serving.models import model_spec
     from routing.engine_info import EngineInfo, Reading
     from routing.gate import judge_model
     from routing.workers import Worker, WorkerSpec

@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 from gateway.config import ModelConfig
-from gateway.runtime import model_spec
+from gateway.serving.models import model_spec
 from routing.engine_info import EngineInfo, Reading
 from routing.engines.identity import EngineIdentity
 from routing.gate import judge_model, version_tuple

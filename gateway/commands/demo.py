@@ -18,7 +18,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from gateway.config import ModelConfig, PrefillWorkerConfig, load_config
-from gateway.server import serve
+from gateway.commands.supervisor import serve
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = ROOT / "config" / "demo.yaml"

@@ -23,12 +23,12 @@ from starlette.routing import Route
 from gateway.admission.admit import Admission
 from gateway.admission.pipeline import resolve_model
 from gateway.admission.tokenize import Kind, answer
-from gateway.body import RequestBody
+from gateway.http.body import RequestBody
 from gateway.errors import GatewayError
-from gateway.intake import CLOSE, Refused, error_response, identify, receive_body, throttle
+from gateway.http.intake import CLOSE, Refused, error_response, identify, receive_body, throttle
 
 if TYPE_CHECKING:
-    from gateway.runtime import Gateway
+    from gateway.serving.gateway import Gateway
 
 class TokenizeApi:
     def __init__(self, gateway: Gateway) -> None:

@@ -20,13 +20,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.config import ConfigError, DecodeWorkerConfig, PrefillWorkerConfig
-from gateway.reload import reload
+from gateway.serving.reload import reload
 from routing.state import StateUnavailable
 from routing.membership import Member, WorkerExists, WorkerRefused
 from routing.workers import WorkerSpec
 
 if TYPE_CHECKING:
-    from gateway.runtime import Gateway
+    from gateway.serving.gateway import Gateway
 
 
 _STATE_FAILURES = (RedisError, OSError, TimeoutError, StateUnavailable)
@@ -70,7 +70,7 @@ class AdminApi:
         return endpoint
 
     async def list_workers(self, request: Request) -> Response:
-        assert self.gateway.membership is not None
+
         return _answer(200, {"workers": [m.describe() for m in self.gateway.membership.members()]})
 
     async def add_worker(self, request: Request) -> Response:
@@ -95,7 +95,7 @@ class AdminApi:
         member = self._member(request)
         if member is None:
             return _error(404, f"no worker {request.path_params['id']!r}", "worker_not_found")
-        assert self.gateway.membership is not None
+
         self.gateway.membership.drain(member)
         return _answer(200, member.describe())
 
@@ -103,7 +103,7 @@ class AdminApi:
         member = self._member(request)
         if member is None:
             return _error(404, f"no worker {request.path_params['id']!r}", "worker_not_found")
-        assert self.gateway.membership is not None
+
         self.gateway.membership.remove(member)
         return _answer(200, {**member.describe(), "removed": True})
 
@@ -155,7 +155,7 @@ class AdminApi:
                                                     "replicas": owners})
 
     def _member(self, request: Request) -> Member | None:
-        assert self.gateway.membership is not None
+
         return self.gateway.membership.find(request.path_params["id"])
 
 

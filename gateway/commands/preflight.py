@@ -11,16 +11,15 @@ from typing import Any
 import orjson
 
 from gateway.config import GatewayConfig
+from gateway.serving.models import dns_sources, health_spec, model_spec, ways_out
 from routing.discovery import initial_specs, make_resolver
 from routing.engines.client import EngineClient
-from routing.gate import ModelJudgement, safe_limit
+from routing.gate import ModelJudgement
 from routing.monitor import WorkerMonitor
 from routing.pools import pool_for
 
 
 async def collect(config: GatewayConfig) -> list[ModelJudgement]:
-    from gateway.runtime import dns_sources, health_spec, model_spec
-
     engines = EngineClient(connect_timeout_s=config.timeouts.connect_s, verify_timeout_s=config.health.timeout_s,
                            abort_timeout_s=config.timeouts.abort_s)
     try:
@@ -76,7 +75,7 @@ def report(judgements: list[ModelJudgement]) -> dict[str, Any]:
                        "effective_prompt_limit": judgement.effective_limit,
                        "decode_pool_tokens": judgement.decode_pool_tokens,
                        "policy": judgement.model.on_pool_mismatch, "verdict": judgement.verdict,
-                       "reasons": judgement.reasons, "ways_out": _ways_out(judgement), "workers": workers})
+                       "reasons": judgement.reasons, "ways_out": ways_out(judgement), "workers": workers})
     return {"ok": _ok(judgements), "models": models}
 
 
@@ -129,23 +128,3 @@ def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
 
 def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
-
-
-def describe_refusal(judgement: ModelJudgement) -> str:
-    """One block: the model, each failing worker once (with its pool and safe limit), and the ways out."""
-    model = judgement.model
-    lines = [f"model {model.name!r} refused by the KV-pool gate (advertised limit {judgement.configured_limit} "
-             f"prompt tokens, on_pool_mismatch: {model.on_pool_mismatch}):"]
-    for verdict in judgement.workers:
-        if verdict.problems:
-            lines.append(f"  {verdict.worker.role:7s} {verdict.worker.url}: {'; '.join(verdict.problems)}")
-    lines.extend(f"  {line}" for line in _ways_out(judgement))
-    return "\n".join(lines)
-
-
-def _ways_out(judgement: ModelJudgement) -> list[str]:
-    safe = safe_limit(judgement)
-    if safe is None or judgement.model.on_pool_mismatch == "clamp":
-        return []
-    return [f"ways out: set max_prompt_tokens: {safe} (or lower) for this model, or on_pool_mismatch: clamp to "
-            f"serve it at {safe} prompt tokens"]

@@ -1,11 +1,10 @@
-"""`kvgate canary --config FILE`: probe tenant isolation through the gateway's own admission and dispatch path.
+"""The canary: probe tenant isolation through the gateway's own admission and dispatch path.
 
-For each model it starts the gateway in-process (the KV-pool gate runs as at startup), sends a probe carrying a
-unique random marker, then prompts of exactly limit−1, limit, limit+1, 2×limit and pool+1 tokens (token ids, so
+For each model it sends a probe carrying a unique random marker, then prompts of exactly limit−1, limit, limit+1, 2×limit and pool+1 tokens (token ids, so
 the size is exact), and checks that (a) no answer contains any marker — an answer that does is another request's
 KV, the incident's leak — and (b) every prompt over the limit was refused with 413. Exit 1 on any leak or any
 over-limit prompt admitted, 0 otherwise. Probes are small (a few output tokens) and carry the process's probe token
-(gateway.probe), which keeps them out of tenant accounting.
+(gateway.integrity.probe), which keeps them out of tenant accounting.
 """
 
 from __future__ import annotations
@@ -14,14 +13,16 @@ import asyncio
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
 
-from gateway.config import GatewayConfig
-from gateway.probe import PROBE_HEADER, PROBE_TOKEN
-from gateway.runtime import Gateway, ServedModel
+from gateway.integrity.probe import PROBE_HEADER, PROBE_TOKEN
+from gateway.serving.models import ServedModel
+
+if TYPE_CHECKING:
+    from gateway.serving.gateway import Gateway
 
 log = logging.getLogger("kvgate.canary")
 _PROBE_HEADERS = {PROBE_HEADER: PROBE_TOKEN}
@@ -56,24 +57,7 @@ class CanaryReport:
         return "\n".join(lines)
 
 
-async def probe(config: GatewayConfig) -> CanaryReport:
-    from gateway.app import create_app
-
-    gateway = Gateway(config)
-    app = create_app(config, gateway)
-    await gateway.start()
-    report = CanaryReport()
-    try:
-        transport = httpx.ASGITransport(app=app)  # the gateway's own routes, admission and dispatch; no socket
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvgate", timeout=120) as client:
-            for model in gateway.models.values():
-                await _probe_model(client, model, report)
-    finally:
-        await gateway.stop()
-    return report
-
-
-async def _probe_model(client: httpx.AsyncClient, model: ServedModel, report: CanaryReport, *,
+async def probe_model(client: httpx.AsyncClient, model: ServedModel, report: CanaryReport, *,
                        near_limit: bool = True) -> None:
     """Markers, then the sizes around the limit (`near_limit=False`: only those that must be refused, which cost
     the engines nothing — what a background prober can afford on every interval)."""
@@ -145,7 +129,7 @@ class CanaryProber:
                     continue
                 report = CanaryReport()
                 try:
-                    await _probe_model(client, model, report, near_limit=rule.canary_near_limit)
+                    await probe_model(client, model, report, near_limit=rule.canary_near_limit)
                 except Exception as exc:  # the prober must outlive any one bad round
                     self._gateway.metrics.canary_probes.labels(name, "error").inc()
                     log.warning("canary probe of %s failed: %r", name, exc)
@@ -159,15 +143,3 @@ class CanaryProber:
                     metrics.canary_leaks.labels(model.name).inc(len(report.leaks))
                     log.error("canary: model %s failed %d probe(s):\n%s", model.name, len(report.leaks),
                               report.text())
-
-
-def run_canary(config: GatewayConfig) -> int:
-    from gateway.runtime import GateRefused
-
-    try:
-        report = asyncio.run(probe(config))
-    except GateRefused as refused:
-        print(f"canary: not run, the KV-pool gate refused:\n{refused}")
-        return 1
-    print(report.text())
-    return 1 if report.leaks else 0

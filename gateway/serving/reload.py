@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from gateway.config import ConfigError, GatewayConfig, ModelConfig, load_config
 
-if TYPE_CHECKING:
-    from gateway.runtime import Gateway
+from gateway.serving.gateway import Gateway
+from gateway.serving.models import ServedModel, health_spec, make_policies, model_spec
 
 log = logging.getLogger("kvgate.reload")
 
@@ -70,7 +69,7 @@ async def reload(gateway: Gateway) -> list[str]:
     problems = restart_needed(gateway.config, new)
     if problems:
         raise ConfigError("needs a restart: " + "; ".join(problems))
-    changes = await gateway.apply_config(new)
+    changes = await apply_config(gateway, new)
     log.info("configuration reloaded from %s: %s", gateway.config_path, "; ".join(changes) or "no changes")
     return changes
 
@@ -81,3 +80,49 @@ async def reload_logged(gateway: Gateway) -> None:
         await reload(gateway)
     except ConfigError as exc:
         log.error("configuration reload refused, running configuration kept: %s", exc)
+
+
+async def apply_config(gateway: Gateway, new: GatewayConfig) -> list[str]:
+    """Apply a configuration that `reload.restart_needed` accepted; returns what changed."""
+    changes: list[str] = []
+    for name, model in gateway.models.items():
+        before, after = model.config, new.model(name)
+        assert after is not None
+        if after == before and new.health_of(after) == gateway.config.health_of(before):
+            continue
+        model.config, model.spec = after, model_spec(after)
+        prefill_policy, decode_policy = make_policies(after.routing)
+        model.pool.reconfigure(limits=model.spec.limits, breaker=model.spec.breaker,
+                               prefill_policy=prefill_policy, decode_policy=decode_policy)
+        gateway.monitor.update(model.spec, health_spec(new.health_of(after)))
+        await gateway.poll_loads(model)
+        changes += _apply_workers(gateway, model, before, after)
+        await gateway.monitor.verify_now(name)  # the gate again, with the new limits: it updates admission
+        changes.append(f"model {name}: settings applied")
+    if (new.auth, new.tenants) != (gateway.config.auth, gateway.config.tenants):
+        gateway.fleet.reconfigure_tenants(new.auth, new.tenants)  # revoked keys and new limits: next request
+        changes.append("tenants and auth applied")
+    gateway.config = new
+    return changes
+
+
+def _apply_workers(gateway: Gateway, model: ServedModel, before: ModelConfig, after: ModelConfig) -> list[str]:
+    membership = gateway.membership
+    old, new = model_spec(before), model.spec
+    changes = []
+    for spec in [*old.prefill, *old.decode]:
+        if spec not in (*new.prefill, *new.decode):
+            member = membership.find_url(model.name, spec.role, spec.url)
+            if member is not None:
+                membership.remove(member)
+                changes.append(f"{spec.role} {spec.url} drained and removed")
+    for spec in [*new.prefill, *new.decode]:
+        if spec not in (*old.prefill, *old.decode):
+            existing = membership.find_url(model.name, spec.role, spec.url)
+            if existing is not None:  # e.g. its bootstrap port changed: out first
+                membership.remove(existing)
+            worker = model.pool.new_worker(spec)
+            model.pool.add(worker)  # out of rotation until the gate passes it, like any configured worker
+            gateway.monitor.watch(model.name, worker)
+            changes.append(f"{spec.role} {spec.url} added (in rotation once the gate passes it)")
+    return changes

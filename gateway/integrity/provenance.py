@@ -12,12 +12,20 @@ characters and checked at every position, so any shared stretch of `NGRAM + STRI
 
 from __future__ import annotations
 
+import logging
+import random
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
+
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.record import RequestRecord
+
+log = logging.getLogger("kvgate")
 
 NGRAM = 48  # characters: long enough that shared boilerplate ("you are a helpful assistant") rarely reaches it
 STRIDE = 8
@@ -99,3 +107,49 @@ class ProvenanceWindow:
         """Whether `text` shares an n-gram with another tenant's remembered text."""
         owners = self._owners
         return any((owner := owners.get(gram)) and owner != tenant for gram in _grams(text, 1))
+
+
+class ProvenanceChecker:
+    """Sampled answers checked against a window per model, on one thread of its own: hashing a long prompt or answer
+    takes tens of ms, kept off the event loop (one thread, so the windows need no lock)."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.windows: dict[str, ProvenanceWindow] = {}
+        self._metrics = metrics
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvgate-provenance")
+
+    @staticmethod
+    def samples(rate: float) -> bool:
+        return rate > 0 and random.random() < rate
+
+    def submit(self, model: str, window_size: int, record: RequestRecord) -> None:
+        self._thread.submit(self._check_safely, model, window_size, record)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    def _check_safely(self, model: str, window_size: int, record: RequestRecord) -> None:
+        try:
+            self._check(model, window_size, record)
+        except Exception:  # a check must never take anything else down
+            log.exception("provenance check failed for request_id=%s", record.request_id)
+
+    def _check(self, model: str, window_size: int, record: RequestRecord) -> None:
+        """Does the answer share a long stretch with what another tenant recently sent? Counted and logged (never the
+        text); then this request's prompt joins the window."""
+        window = self.windows.get(model)
+        if window is None:
+            window = self.windows[model] = ProvenanceWindow(window_size)
+        answer = answer_text(bytes(record.answer))
+        self._metrics.provenance_checks.labels(model).inc()
+        if window.foreign(record.tenant, answer):
+            self._metrics.provenance_foreign.labels(model).inc()
+            exchange = record.exchange
+            log.error("answer shares text with another tenant's recent traffic: request_id=%s rid=%s model=%s "
+                      "prefill=%s decode=%s", record.request_id, exchange.rid if exchange else None, model,
+                      exchange.pair.prefill.url if exchange else None, exchange.pair.decode.url if exchange else None)
+        admitted = record.admitted
+        if admitted is not None and len(admitted.engine_body) <= 1 << 20:
+            # Prompts only: two tenants asking alike may get alike answers (greedy decoding, common facts), but an
+            # answer carrying someone else's prompt text is the leak's signature.
+            window.remember(record.tenant, texts_in(orjson.loads(admitted.engine_body)))

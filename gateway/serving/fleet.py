@@ -7,9 +7,13 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from gateway.config import AuthConfig, StateConfig, TenantConfig
+from gateway.errors import model_disabled
+from gateway.pd.registry import ExchangeRegistry
+from gateway.serving.inflight import Inflight
+from gateway.serving.models import ServedModel
 from gateway.tenancy.limiter import TenantLimiter
 from gateway.tenancy.salts import CacheSalts
 from gateway.tenancy.tenants import TenantDirectory
@@ -114,3 +118,30 @@ class Fleet:
             async with asyncio.timeout(2.0):
                 await self.state.leave()
         await self.state.close()
+
+
+def fleet_report(models: Iterable[ServedModel], inflight: Inflight, *, shared: bool) -> FleetReport:
+    """What this replica tells the fleet: its load on each worker, the limits its gate measured, its request ids."""
+    models = list(models)
+    loads = {w.url: w.in_flight for m in models for w in m.pool.workers}
+    limits = {m.name: m.judgement.effective_limit for m in models
+              if m.judgement is not None and m.judgement.effective_limit > 0}
+    if not shared:  # one replica: no registry to publish
+        return FleetReport(loads=loads, limits=limits)
+    return FleetReport(loads=loads, limits=limits, requests=inflight.counts())
+
+
+def follow_fleet(view: FleetView, models: Iterable[ServedModel], exchanges: ExchangeRegistry, inflight: Inflight,
+                 metrics: GatewayMetrics) -> None:
+    """Other replicas' load on each worker, the lowest measured limit, kill switches, aborts."""
+    for model in models:
+        for worker in model.pool.workers:
+            worker.note_fleet_load(view.loads_elsewhere.get(worker.url, 0))
+        model.follow_fleet_limit(view.limits.get(model.name), metrics)
+        model.follow_kill_switch(model.name in view.disabled, metrics)
+        if view.disabled.get(model.name):  # with cancel_inflight: its requests in flight too
+            for exchange in [e for e in exchanges.running if e.admitted.model == model.name]:
+                metrics.operator_aborts.labels(model.name).inc()
+                exchange.fail(model_disabled(model.name))
+    for request_id in view.aborts:
+        inflight.abort(request_id)

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from gateway.body import BodyTooLarge, EncodedBody, RequestBody, read_body
+from gateway.http.body import BodyTooLarge, EncodedBody, RequestBody, read_body
 from gateway.errors import GatewayError
 from gateway.tenancy.errors import RateLimited
 from gateway.tenancy.tenants import Tenant
 
 if TYPE_CHECKING:
-    from gateway.runtime import Gateway
+    from gateway.serving.gateway import Gateway
 
 Headers = Sequence[tuple[bytes, bytes]]
 CLOSE: Headers = ((b"connection", b"close"),)

@@ -1,4 +1,4 @@
-"""The HTTP app: routes, lifespan, and the small JSON endpoints. The generate endpoints live in gateway.proxy."""
+"""The HTTP app: routes, lifespan, and the small JSON endpoints. The generate endpoints live in gateway.http.generate."""
 
 from __future__ import annotations
 
@@ -14,14 +14,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.admin import AdminApi
+from gateway.http.admin import AdminApi
 from gateway.admission.requests import reject_unknown_model
-from gateway.canary import CanaryProber
+from gateway.integrity.canary import CanaryProber
 from gateway.config import GatewayConfig
-from gateway.intake import Refused, error_response, identify
-from gateway.tokenize_api import TokenizeApi
-from gateway.proxy import GenerateEndpoint
-from gateway.runtime import Gateway, GateRefused, ServedModel
+from gateway.http.intake import Refused, error_response, identify
+from gateway.http.tokenize import TokenizeApi
+from gateway.http.generate import GenerateEndpoint
+from gateway.serving.gateway import GateRefused, Gateway
+from gateway.serving.models import ServedModel
 
 
 def _json(payload: object, status: int = 200) -> Response:

@@ -1,0 +1,1 @@
+"""The command line's commands: preflight, canary, demo, and the process supervisor behind --workers."""

@@ -1,0 +1,1 @@
+"""The HTTP edge: the server, the routes, a request's way in, and the relay to the client."""

@@ -1,0 +1,106 @@
+"""The generate endpoints as raw ASGI apps: read the body (capped, timed), admit, dispatch, relay.
+
+Raw ASGI rather than a Starlette request/response endpoint because the gateway must notice a client disconnect in
+every phase, including the wait before the first byte of a non-streaming response, where Starlette listens for
+nothing. A watcher task reads `http.disconnect` and hands the exchange over to `PDExchange.disconnect()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.admission.requests import Route
+from gateway.errors import GatewayError, shutting_down
+from gateway.http.body import RequestBody
+from gateway.http.intake import CLOSE, Headers, Refused, identify, receive_body, retry_after, throttle
+from gateway.http.relay import relay, send_error, watch_disconnect
+from gateway.integrity.probe import is_probe
+from gateway.pd.exchange import PDExchange
+from gateway.telemetry.record import RequestRecord
+from gateway.tenancy.errors import StateDown
+from gateway.tenancy.tenants import CANARY
+
+if TYPE_CHECKING:
+    from gateway.serving.gateway import Gateway
+
+_ANSWER_KEPT = 1 << 18  # bytes of a sampled answer kept for the provenance check
+
+
+class GenerateEndpoint:
+    """`POST /generate`, `/v1/completions` or `/v1/chat/completions`."""
+
+    def __init__(self, route: Route, gateway: Gateway) -> None:
+        self.route = route
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        record = RequestRecord(self.route, probe=is_probe(scope))
+        if "kvgate.request_id" in scope:
+            record.request_id = scope["kvgate.request_id"]
+        if not record.probe:
+            self.gateway.tracing.start_request(record, scope["headers"])
+
+        async def observed(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+            elif record.sampled and len(record.answer) < _ANSWER_KEPT:
+                record.answer += message.get("body", b"")[: _ANSWER_KEPT - len(record.answer)]
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, observed, record)
+        finally:
+            self.gateway.observe_request(record)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, record: RequestRecord) -> None:
+        if scope["method"] != "POST":
+            await send_error(send, GatewayError(405, f"{self.route} accepts POST only"))
+            return
+        if self.gateway.shutting_down:
+            await self._refuse(send, record, shutting_down(), [*CLOSE, (b"retry-after", b"1")])
+            return
+        if self.gateway.fleet.closed:
+            await self._refuse(send, record, StateDown(), [(b"retry-after", b"1")])
+            return
+        with RequestBody() as body:
+            exchange = await self._admit(scope, receive, send, body, record)
+        if exchange is None:
+            return
+        record.exchange = exchange
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, exchange))
+        try:
+            await relay(exchange, send)
+        finally:
+            watcher.cancel()
+
+    async def _admit(self, scope: Scope, receive: Receive, send: Send, body: RequestBody,
+                     record: RequestRecord) -> PDExchange | None:
+        """Who asks and its body (the way in), then the serving flow: admitted and dispatched, or refused (the
+        error answered here, None returned)."""
+        gateway = self.gateway
+        try:
+            tenant = CANARY if record.probe else await identify(gateway, scope)
+            record.tenant = tenant.name
+            throttle(gateway, tenant)
+            await receive_body(gateway, scope, receive, body)
+            fleet = gateway.fleet
+            return await gateway.flow.run(self.route, body, tenant, fleet.limiter, fleet.salts, scope["headers"],
+                                          record, sample=not record.probe)  # the canary is not a tenant
+        except Refused as refused:
+            await self._refuse(send, record, refused.error, refused.headers)
+        except GatewayError as error:
+            await self._refuse(send, record, error, retry_after(error))
+        except ConnectionAbortedError:
+            pass
+        return None
+
+    @staticmethod
+    async def _refuse(send: Send, record: RequestRecord, error: GatewayError, headers: Headers = ()) -> None:
+        """Answer an error before any engine saw the request."""
+        record.refused = error
+        await send_error(send, error, headers)
+
+

@@ -1,0 +1,1 @@
+"""One prefill/decode exchange: dispatch, verify-then-release, the cancel order, aborts."""

@@ -1,0 +1,56 @@
+"""The exchange's timing helpers: the idle watchdog, and waiting for a half to stop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+
+class IdleWatchdog:
+    """Calls `on_idle` after `idle_s` without `touch()`. One timer per idle period, re-armed lazily, because
+    re-arming a timer on every chunk would cost more than the relay itself."""
+
+    def __init__(self, idle_s: float, on_idle: Callable[[], None]) -> None:
+        self._idle_s = idle_s
+        self._on_idle = on_idle
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(self._last + idle_s, self._check)
+
+    def touch(self) -> None:
+        self._last = self._loop.time()
+
+    def pause(self) -> None:
+        """No timeout until `resume()`."""
+        self.stop()
+
+    def resume(self) -> None:
+        self._last = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._last + self._idle_s, self._check)
+
+    def _check(self) -> None:
+        deadline = self._last + self._idle_s
+        if self._loop.time() < deadline:
+            self._timer = self._loop.call_at(deadline, self._check)
+            return
+        self._timer = None
+        self._on_idle()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+async def parked() -> None:
+    """Wait until cancelled."""
+    await asyncio.get_running_loop().create_future()
+
+
+async def stop(task: asyncio.Task[None] | None) -> None:
+    """Cancel a half and wait until it has closed its connection."""
+    if task is None or task is asyncio.current_task():
+        return
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,72 @@
+"""Reading SGLang's answers: an error or abort inside a 2xx, and the prompt counts an answer or event states."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import orjson
+
+from routing.engines.client import error_message
+from routing.engines.errors import EngineBroken, EngineRejected, is_length_rejection
+
+# An engine's own prompt count inside an event (a key: inside a JSON string every quote is escaped).
+PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(-?\d+)')
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+# Where a /generate event's prompt logprobs start (a key: inside a JSON string every quote is escaped).
+INPUT_LOGPROBS = re.compile(rb'"input_token_logprobs":\s*\[')
+
+
+def parse_result(role: Literal["prefill", "decode"], payload: bytes) -> dict[str, Any]:
+    """The engine's JSON result; an error or abort inside a 2xx (SGLang 0.5.8 answers 200 for a prompt it
+    swapped, and may answer 2xx in its OpenAI error shape) is a rejection."""
+    try:
+        parsed = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise EngineBroken(role, f"{role} answered 2xx with a body that is not JSON") from exc
+    if not isinstance(parsed, dict):
+        raise EngineBroken(role, f"{role} answered with unexpected JSON")
+    if "error" in parsed or parsed.get("object") == "error":
+        message = error_message(payload)
+        error = parsed.get("error", parsed)
+        code = error.get("code") if isinstance(error, dict) else None
+        status = code if isinstance(code, int) and 400 <= code < 600 else 502
+        raise EngineRejected(role, f"{role} reported an error: {message}", status=status, detail=message)
+    meta = parsed.get("meta_info")
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        message = str(finish.get("message") or "request aborted")
+        status = finish.get("status_code") if isinstance(finish.get("status_code"), int) else 502
+        raise EngineRejected(role, f"{role} aborted the request: {message}",
+                             status=400 if is_length_rejection(message) else status, detail=message)
+    choices = parsed.get("choices") or []
+    if not isinstance(choices, list):
+        raise EngineBroken(role, f"{role} answered with malformed choices")
+    for choice in choices:
+        if isinstance(choice, dict) and choice.get("finish_reason") == "abort":
+            raise EngineRejected(role, f"{role} aborted the request", status=502)
+    return parsed
+
+
+def reported_cached_tokens(route: str, result: Any) -> int | None:
+    """Prompt tokens the engine took from its prefix cache: `meta_info.cached_tokens` on /generate,
+    `usage.prompt_tokens_details.cached_tokens` on OpenAI routes."""
+    if not isinstance(result, dict):
+        return None
+    if route == "/generate":
+        meta = result.get("meta_info")
+        value = meta.get("cached_tokens") if isinstance(meta, dict) else None
+    else:
+        usage = result.get("usage")
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def reported_prompt_tokens(route: str, result: Any) -> int | None:
+    """The engine's own prompt count: `meta_info.prompt_tokens` on /generate, `usage.prompt_tokens` on OpenAI."""
+    if not isinstance(result, dict):
+        return None
+    holder = result.get("meta_info") if route == "/generate" else result.get("usage")
+    value = holder.get("prompt_tokens") if isinstance(holder, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
