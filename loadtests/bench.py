@@ -52,8 +52,19 @@ import orjson
 import yaml
 
 from loadtests.engine.harness import EnginePair, free_port, start_pair
-from loadtests.procstat import (GLM5_TEMPLATE, GLM5_TOKENIZER, LAG_FILE_ENV, REPO_ROOT, cpu_seconds, lags_within,
-                                peak_rss_mib, percentile, read_lags, serve_with_lag_probe, wait_ready)
+from loadtests.procstat import (
+    GLM5_TEMPLATE,
+    GLM5_TOKENIZER,
+    LAG_FILE_ENV,
+    REPO_ROOT,
+    cpu_seconds,
+    lags_within,
+    peak_rss_mib,
+    percentile,
+    read_lags,
+    serve_with_lag_probe,
+    wait_ready,
+)
 
 CONTEXT = 1_048_576
 SMALL_LIMIT = 2048

@@ -248,7 +248,7 @@ async def main() -> None:
     history = messages
     for run in range(3):
         msg = new_message(tok, builder)
-        history = history + [{"role": "assistant", "content": f"Noted ({run})."}, {"role": "user", "content": msg}]
+        history = [*history, {"role": "assistant", "content": f"Noted ({run})."}, {"role": "user", "content": msg}]
         warm_prompt = render(template, history)
         n, wall, lag, seen = await measure(counter, warm_prompt, small)
         exact &= n == len(tok.encode(warm_prompt).ids)
@@ -345,7 +345,8 @@ class LagRun:
     def line(self, name: str, chars: int) -> str:
         counted = ", ".join(f"{r:,} tokens" if isinstance(r, int) else r for r in self.results) or "nothing"
         lag = f"lag p99 {p99(self.lags):.2f} ms, max {max(self.lags):.2f} ms"
-        return f"{name}: {chars / 1e6:.1f}M chars, {counted} in {self.wall:.1f}s; {lag} (outside: {self.outside_max:.0f})"
+        outside = f"(outside: {self.outside_max:.0f})"
+        return f"{name}: {chars / 1e6:.1f}M chars, {counted} in {self.wall:.1f}s; {lag} {outside}"
 
 
 async def lag_while_counting(counter: TokenCounter, texts: list[str], outside: OutsideProbe) -> LagRun:
@@ -396,7 +397,7 @@ async def adversarial(million_chars: float, check: bool) -> None:
         all_lags += run.lags
         print(run.line(name, len(text)), flush=True)
         if check:
-            ref = await asyncio.to_thread(lambda: len(mt.tokenizer.encode_batch_fast([text])[0]))
+            ref = await asyncio.to_thread(lambda text=text: len(mt.tokenizer.encode_batch_fast([text])[0]))
             mismatches += run.results[0] != ref
     several = [texts[k][: chars // 4] for k in ("one_char", "added_token", "cjk_no_punct", "mixed")]
     run = await lag_while_counting(counter, several, outside)

@@ -3,7 +3,8 @@
 One emulated PD pair in fixed mode with correct pools (prefill at a realistic 20,000 tokens/s), and kvgate with
 `integrity.strict`, a prefill ceiling of 50,000 tokens/s and provenance checked on every answer. N ordinary requests
 (default 1,000; chat and /generate, streamed and not, prompts of 10 to ~5,000 tokens drawn from a 5,000-word
-vocabulary, 20 tenants, the chats sharing a short system prompt) must all succeed with no implausible first token and no answer flagged as another tenant's.
+vocabulary, 20 tenants, the chats sharing a short system prompt) must all succeed with no implausible first token and
+no answer flagged as another tenant's.
 
 Final lines (machine-readable): requests=…, ok=…, implausible_ttft=…, provenance_foreign=…, provenance_checks=….
 """

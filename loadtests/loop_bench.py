@@ -162,7 +162,7 @@ def running_gateway_process(config: Path, port: int) -> Iterator[subprocess.Pope
                     break
             except OSError:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the gateway did not start")
+                    raise RuntimeError("the gateway did not start") from None
                 time.sleep(0.1)
         yield process
     finally:

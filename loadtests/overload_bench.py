@@ -42,7 +42,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, tokens: int) -> t
         async with session.post(url + "/generate", json=body) as response:
             data = await response.read()
             return response.status, "retry-after" in response.headers, data.endswith(b"data: [DONE]\n\n")
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return -1, False, False  # a connection the gateway dropped: counted as "other"
 
 

@@ -2,8 +2,8 @@
 
 Each policy picks a prefill/decode pair (and takes and releases its lease, as every request does) over pools of 8
 workers each, with some requests in flight so load-aware policies have something to compare. prefix_affinity also
-pays for hashing the prompt's first token ids at admission (64 by default): measured on a chat rendering. The figures are set
-against round_robin, and against the gateway's own CPU per request (`loadtests.bench`, ~0.5–1 ms), which a
+pays for hashing the prompt's first token ids at admission (64 by default): measured on a chat rendering. The figures
+are set against round_robin, and against the gateway's own CPU per request (`loadtests.bench`, ~0.5–1 ms), which a
 policy must not measurably move.
 
 cache_aware is measured as it runs: a 4k-token prompt whose conversation one of 4 prefills holds (the others hold

@@ -96,8 +96,8 @@ def serve_with_lag_probe(config_path: str) -> int:
 
     import uvicorn
 
-    from gateway.config import load_config
     from gateway.commands.supervisor import serve as serve_gateway
+    from gateway.config import load_config
 
     lag_file = os.environ[LAG_FILE_ENV]
     original_serve = uvicorn.Server.serve

@@ -192,7 +192,8 @@ def _settle_and_check(url: str, pair: EnginePair, pid: int, fds0: int, rss0: flo
     while time.monotonic() < deadline:
         workers = httpx.get(url + "/admin/workers", headers=admin, timeout=5).json()["workers"]
         held = sum(w["in_flight"] for w in workers)
-        used = sum(httpx.get(e.url + "/emu/state", timeout=5).json()["used_tokens"] for e in (pair.prefill, pair.decode))
+        used = sum(httpx.get(e.url + "/emu/state", timeout=5).json()["used_tokens"]
+                   for e in (pair.prefill, pair.decode))
         running = [r for e in (pair.prefill, pair.decode) for r in httpx.get(e.url + "/emu/requests", timeout=5)
                    .json()["requests"] if r["outcome"] is None]
         if held == 0 and used == 0 and not running:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 
-class BreakerState(str, Enum):
+class BreakerState(str, Enum):  # noqa: UP042 (str() of a StrEnum would change the labels it is printed in)
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"

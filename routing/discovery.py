@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import time
 from dataclasses import dataclass
 
 import dns.asyncresolver
@@ -84,12 +85,19 @@ async def initial_specs(resolver: dns.asyncresolver.Resolver, sources: list[DnsS
             for address in sorted(addresses or ())]
 
 
+# A listed worker the gate refused is read again only after this long: each try puts it in its pool while it is
+# read (the gate reads what is in the pool), and an engine configured too small stays so until an operator acts.
+REFUSED_RETRY_S = 30.0
+
+
 class Discovery:
     def __init__(self, membership: Membership, sources: list[DnsSource], resolver: dns.asyncresolver.Resolver) -> None:
         self._membership = membership
         self._sources = sources
         self._resolver = resolver
         self._tasks: list[asyncio.Task[None]] = []
+        # per source: spec → when it may be tried again (monotonic seconds)
+        self._refused: dict[DnsSource, dict[WorkerSpec, float]] = {source: {} for source in sources}
 
     async def initial(self) -> list[tuple[str, WorkerSpec]]:
         """(model, spec) of every worker the names resolve to now, before the gateway starts serving."""
@@ -111,16 +119,22 @@ class Discovery:
             return
         wanted = {source.spec(address) for address in addresses}
         current = {m.worker.spec: m for m in self._membership.members()
-                   if m.model == source.model and m.worker.role == source.role and m.worker.spec.origin == source.origin}
+                   if m.model == source.model and m.worker.role == source.role
+                   and m.worker.spec.origin == source.origin}
         for spec, member in current.items():
             if spec not in wanted:
                 log.info("%s no longer lists %s: draining it", source.name, spec.url)
                 self._membership.remove(member)
-        for spec in sorted(wanted - current.keys(), key=lambda s: s.url):
+        refused, now = self._refused.setdefault(source, {}), time.monotonic()
+        for spec in [s for s, until in refused.items() if s not in wanted or until <= now]:
+            del refused[spec]  # no longer listed, or due for another try
+        for spec in sorted(wanted - current.keys() - refused.keys(), key=lambda s: s.url):
             try:
                 await self._membership.add(source.model, spec)
             except WorkerRefused as exc:
-                log.warning("%s lists %s, not taken: %s", source.name, spec.url, exc)
+                refused[spec] = time.monotonic() + REFUSED_RETRY_S
+                log.warning("%s lists %s, not taken (tried again in %gs): %s", source.name, spec.url,
+                            REFUSED_RETRY_S, exc)
             except WorkerExists:
                 pass  # also configured by URL or added by an operator
 

@@ -31,8 +31,9 @@ def load_from_get_load(report: Any) -> EngineLoad | None:
     """`num_tokens` summed over ranks, as sglang-router's LoadMonitor reads it."""
     if not isinstance(report, list) or not report:
         return None
-    values = [rank.get("num_tokens") for rank in report if isinstance(rank, dict)]
-    if len(values) != len(report) or not all(_is_count(v) for v in values):
+    values: list[int] = [rank["num_tokens"] for rank in report
+                         if isinstance(rank, dict) and _is_count(rank.get("num_tokens"))]
+    if len(values) != len(report):
         return None
     return EngineLoad(sum(values))
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from routing.engine_info import Reading
 from routing.deployment_checks import TRANSFER_SETTINGS, CheckOutcome, check_worker
+from routing.engine_info import Reading
 from routing.engines.identity import EngineIdentity, version_tuple
 from routing.specs import ModelSpec
 from routing.workers import Worker

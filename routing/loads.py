@@ -1,13 +1,12 @@
-"""Engines' own load, for power_of_two and kv_headroom: polled on an interval from `/v1/loads` (SGLang 0.5.8+), falling back to the
-deprecated `/get_load` (gone in 0.5.23). A worker that cannot be read keeps no load: a stale number is worse than
-the gateway's own in-flight count, which the policy then uses."""
+"""Engines' own load, for power_of_two and kv_headroom: polled on an interval from `/v1/loads` (SGLang 0.5.8+), falling
+back to the deprecated `/get_load` (gone in 0.5.23). A worker that cannot be read keeps no load: a stale number is
+worse than the gateway's own in-flight count, which the policy then uses."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from routing.engine_load import EngineLoad, load_from_get_load, load_from_v1_loads
 from routing.engines.client import EngineClient

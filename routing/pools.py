@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from routing.breaker import BreakerSpec, Ticket
+from routing.breaker import BreakerSpec
 from routing.policies import NO_KEY, Policy, RouteKey
 from routing.policies.round_robin import RoundRobin
 from routing.prefix_index import PromptTokens
@@ -30,7 +30,7 @@ class Lease:
     so two requests woken together cannot both take the last slot. With the prompt's sizes known (`RouteKey.prompt`),
     it also counts the prefill's uncached work until `prefill_done()` and the KV the request may take on decode."""
 
-    __slots__ = ("pair", "predicted_cached", "_tickets", "_held", "_prefill_work", "_decode_tokens")
+    __slots__ = ("_decode_tokens", "_held", "_prefill_work", "_reported", "_tickets", "pair", "predicted_cached")
 
     def __init__(self, pair: WorkerPair, prompt: PromptTokens | None = None) -> None:
         self.pair = pair
@@ -41,10 +41,16 @@ class Lease:
         self._tickets = (pair.prefill.begin_request(prefill_tokens=self._prefill_work),
                          pair.decode.begin_request(reserve_tokens=self._decode_tokens))
         self._held = True
+        self._reported: set[tuple[bool, bool]] = set()  # (is decode, success) outcomes already reported
 
-    def ticket(self, worker: Worker) -> Ticket:
-        """What `worker`'s breaker handed this request (its outcome is reported with it)."""
-        return self._tickets[0] if worker is self.pair.prefill else self._tickets[1]
+    def report(self, worker: Worker, success: bool) -> None:
+        """What this request says of one of its workers, to that worker's breaker with the ticket it handed out: a
+        success once and a failure once (a failure may follow a success, e.g. a stream that broke after its first
+        token)."""
+        decode = worker is self.pair.decode
+        if (decode, success) not in self._reported:
+            self._reported.add((decode, success))
+            worker.record_outcome(success, self._tickets[1] if decode else self._tickets[0])
 
     def prefill_done(self) -> None:
         """Prefill answered (or never will): its work no longer queues on the engine."""

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 
 from routing.breaker import BreakerSpec, BreakerState, CircuitBreaker, Ticket
 from routing.deployment_checks import CheckOutcome
-from routing.engines.identity import EngineIdentity
 from routing.engine_load import EngineLoad
+from routing.engines.identity import EngineIdentity
 from routing.prefix_index import CacheIndex
 from routing.stable_hash import stable_hash
 

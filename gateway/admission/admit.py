@@ -21,9 +21,9 @@ from gateway.admission.chat import ChatPrompt, ChatSettings, RenderPlan
 from gateway.admission.chat_template import ChatTemplate, RenderFailed
 from gateway.admission.counting import CountResult, TokenCounter, UnencodableText
 from gateway.admission.dialects import Dialect, dialect_for
-from gateway.admission.tokenizer import ModelTokenizer
 from gateway.admission.prompt_ids import PromptIds
 from gateway.admission.requests import ClientRequest, IdsPrompt, Route, TextPrompt, UsageOptions
+from gateway.admission.tokenizer import ModelTokenizer
 from gateway.errors import bad_request, context_length_exceeded
 from routing.prefix_index.blocks import ids_to_bytes
 from routing.stable_hash import stable_hash

@@ -157,10 +157,10 @@ class ChatPrompt:
 
 def parse_chat(body: dict[str, Any], settings: ChatSettings) -> ChatPrompt:
     """Validate and reduce the prompt-shaping fields of a chat body; 400 for anything kvgate cannot count."""
-    for field, why in (("input_ids", "send token ids to /v1/completions or /generate"),
-                       ("reasoning", "use reasoning_effort or chat_template_kwargs")):
-        if body.get(field) is not None:
-            raise bad_request(f"{field} is not supported on chat completions by this gateway; {why}", param=field)
+    for name, why in (("input_ids", "send token ids to /v1/completions or /generate"),
+                      ("reasoning", "use reasoning_effort or chat_template_kwargs")):
+        if body.get(name) is not None:
+            raise bad_request(f"{name} is not supported on chat completions by this gateway; {why}", param=name)
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
         raise bad_request("messages must be a non-empty array of message objects", param="messages")

@@ -4,7 +4,8 @@ Threads are not enough: parsing JSON (orjson), rendering a template and joining 
 the GIL throughout — a 64 MiB body of tiny objects takes seconds to parse — and the event loop waits for every one
 of them. A large body (`gateway.http.body`) is therefore admitted whole (parse, reduce, render, count, build the
 engine body) in a separate process, which reads it from the file it was spooled to; only the engine body of an
-admitted request comes back. Small bodies, whose every step is bounded to a few milliseconds, stay on the loop, where they are cheapest.
+admitted request comes back. Small bodies, whose every step is bounded to a few milliseconds, stay on the loop, where
+they are cheapest.
 
 Each worker process builds every model's tokenizer, template and token-count cache once (lazily, on the first large
 body); a tenant's bodies go to the same worker, so its count cache stays warm. The worker only counts and checks: the
@@ -18,8 +19,8 @@ import hashlib
 import logging
 import multiprocessing
 import os
-from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 

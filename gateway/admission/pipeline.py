@@ -12,8 +12,7 @@ from gateway.admission.chat import ChatSettings, default_template_kwargs
 from gateway.admission.chat_template import ChatTemplate
 from gateway.admission.counting import TokenCounter
 from gateway.admission.dialects import Dialect
-from gateway.admission.requests import Route, decode_json_object, parse_request, reject_unknown_model, \
-    requested_model
+from gateway.admission.requests import Route, decode_json_object, parse_request, reject_unknown_model, requested_model
 from gateway.admission.tokenizer import ModelTokenizer
 from gateway.config import ModelConfig
 from gateway.errors import GatewayError, bad_request, model_unavailable

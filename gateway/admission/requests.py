@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import orjson
 
@@ -297,7 +297,7 @@ def _optional_count(body: dict[str, Any], key: str, *, minimum: int = 1) -> int 
         raise bad_request(f"{key} must be at least {minimum}, got {value}", param=key)
     if value > MAX_TOKENS_CEILING:
         raise bad_request(f"{key} is absurdly large ({value})", param=key)
-    return value
+    return cast(int, value)
 
 
 def reject_unknown_model(name: str | None, served: list[str]) -> GatewayError:

@@ -22,6 +22,7 @@ from gateway.admission.tokenizer import AddedToken
 _WHITE_SPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace() and not "\x1c" <= c <= "\x1f")
 _NON_SPACE = re.compile(f"[^{re.escape(_WHITE_SPACE)}]")
 _NON_WORD = frozenset(string.whitespace + string.punctuation.replace("_", ""))
+_Trie = dict[str, "_Trie"]  # a character trie: one child per next character, "" marks the end of a word
 
 # (start, stop, token id): an added token, or plain text between tokens when the id is None.
 Segment = tuple[int, int, int | None]
@@ -103,14 +104,14 @@ def _trie_regex(words: list[str]) -> str:
     Where a word is a prefix of another, the longer branch is tried first and the shorter is the fallback, so
     at the leftmost matching position the longest word wins: aho-corasick's LeftmostLongest, as tokenizers uses.
     """
-    trie: dict[str, dict] = {}
+    trie: _Trie = {}
     for word in words:
         node = trie
         for c in word:
             node = node.setdefault(c, {})
         node[""] = {}  # a word ends here
 
-    def branch(node: dict[str, dict]) -> str:
+    def branch(node: _Trie) -> str:
         alternatives = [re.escape(c) + branch(child) for c, child in node.items() if c]
         if not alternatives:
             return ""

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from gateway.config import ModelConfig, PrefillWorkerConfig, load_config
 from gateway.commands.supervisor import serve
+from gateway.config import ModelConfig, PrefillWorkerConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = ROOT / "config" / "demo.yaml"

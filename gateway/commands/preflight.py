@@ -118,7 +118,7 @@ def _result_cell(check: dict[str, Any], worker: dict[str, Any]) -> str:
     if check["result"] == "unverified" and any(p.startswith(check["check"] + ":") and p.endswith("required")
                                                for p in worker["problems"]):
         return f"{result} (required)"
-    return result
+    return str(result)
 
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:

@@ -74,14 +74,14 @@ def serve_processes(config: GatewayConfig, *, log_level: str, config_path: str |
             break
         except InterruptedError:
             continue
-        index = children.pop(pid, None)
+        ended = children.pop(pid, -1)  # -1: not one of the workers
         code = os.waitstatus_to_exitcode(status)
-        if index is not None and not stopping and code not in (0, 3):
-            print(f"kvgate: worker {index} (pid {pid}) exited with {code}; starting it again", file=sys.stderr,
+        if ended >= 0 and not stopping and code not in (0, 3):
+            print(f"kvgate: worker {ended} (pid {pid}) exited with {code}; starting it again", file=sys.stderr,
                   flush=True)
             time.sleep(1.0)
             if not stopping:  # a stop may have come during the pause
-                start(index)
+                start(ended)
                 continue
         worst = max(worst, abs(code))
         if code == 3 and not stopping:  # refused to start (e.g. the KV-pool gate): the others would too

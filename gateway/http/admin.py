@@ -21,8 +21,8 @@ from starlette.routing import Route
 
 from gateway.config import ConfigError, DecodeWorkerConfig, PrefillWorkerConfig
 from gateway.serving.reload import reload
-from routing.state import StateUnavailable
 from routing.membership import Member, WorkerExists, WorkerRefused
+from routing.state import StateUnavailable
 from routing.workers import WorkerSpec
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class AdminApi:
         assert membership is not None
         try:
             body = orjson.loads(await request.body())
-            model, role, spec = _worker_spec(body)
+            model, _role, spec = _worker_spec(body)
         except (orjson.JSONDecodeError, ValueError, ValidationError) as exc:
             return _error(400, f"expected {{model, role, url, bootstrap_port}}: {exc}", "bad_request")
         if model not in self.gateway.models:
@@ -164,9 +164,9 @@ def _worker_spec(body: Any) -> tuple[str, str, WorkerSpec]:
         raise ValueError("model must be a string")
     role = body.get("role")
     if role == "prefill":
-        config = PrefillWorkerConfig.model_validate({k: body[k] for k in ("url", "bootstrap_port") if k in body})
-        return body["model"], role, WorkerSpec(config.url, "prefill", config.bootstrap_port, origin="admin")
+        prefill = PrefillWorkerConfig.model_validate({k: body[k] for k in ("url", "bootstrap_port") if k in body})
+        return body["model"], role, WorkerSpec(prefill.url, "prefill", prefill.bootstrap_port, origin="admin")
     if role == "decode":
-        config = DecodeWorkerConfig.model_validate({"url": body.get("url")})
-        return body["model"], role, WorkerSpec(config.url, "decode", origin="admin")
+        decode = DecodeWorkerConfig.model_validate({"url": body.get("url")})
+        return body["model"], role, WorkerSpec(decode.url, "decode", origin="admin")
     raise ValueError("role must be prefill or decode")

@@ -1,4 +1,4 @@
-"""The HTTP app: routes, lifespan, and the small JSON endpoints. The generate endpoints live in gateway.http.generate."""
+"""The HTTP app: routes, lifespan, and the small JSON endpoints (the generate endpoints: gateway.http.generate)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.http.admin import AdminApi
 from gateway.admission.requests import reject_unknown_model
-from gateway.integrity.canary import CanaryProber
 from gateway.config import GatewayConfig
+from gateway.http.admin import AdminApi
+from gateway.http.generate import GenerateEndpoint
 from gateway.http.intake import Refused, error_response, identify
 from gateway.http.tokenize import TokenizeApi
-from gateway.http.generate import GenerateEndpoint
+from gateway.integrity.canary import CanaryProber
 from gateway.serving.gateway import GateRefused, Gateway
 from gateway.serving.models import ServedModel
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from gateway.http.body import BodyTooLarge, EncodedBody, RequestBody, read_body
 from gateway.errors import GatewayError
+from gateway.http.body import BodyTooLarge, EncodedBody, RequestBody, read_body
 from gateway.tenancy.errors import RateLimited
 from gateway.tenancy.tenants import Tenant
 

@@ -17,7 +17,7 @@ from starlette.types import Receive, Send
 from gateway.admission.requests import UsageOptions
 from gateway.errors import GatewayError
 from gateway.http.intake import Headers, retry_after
-from gateway.pd.events import ClientGone, Done, Failure
+from gateway.pd.events import ClientGone, Done, Failure, RelayEvent
 from gateway.pd.exchange import PDExchange
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -70,7 +70,7 @@ def _presented(payload: bytes, usage: UsageOptions | None) -> bytes | None:
 async def _relay_stream(exchange: PDExchange, send: Send) -> None:
     queue = exchange.events
     usage = exchange.admitted.usage if exchange.admitted.route != "/generate" else None
-    event = await queue.get()
+    event: RelayEvent | None = await queue.get()
     match event:
         case ClientGone():
             return

@@ -24,9 +24,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.http.app import create_app
-from gateway.serving.reload import reload_logged
-
 from gateway.serving.gateway import Gateway
+from gateway.serving.reload import reload_logged
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):

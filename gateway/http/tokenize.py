@@ -23,8 +23,8 @@ from starlette.routing import Route
 from gateway.admission.admit import Admission
 from gateway.admission.pipeline import resolve_model
 from gateway.admission.tokenize import Kind, answer
-from gateway.http.body import RequestBody
 from gateway.errors import GatewayError
+from gateway.http.body import RequestBody
 from gateway.http.intake import CLOSE, Refused, error_response, identify, receive_body, throttle
 
 if TYPE_CHECKING:
@@ -35,9 +35,9 @@ class TokenizeApi:
         self.gateway = gateway
 
     def routes(self) -> list[Route]:
-        return [Route(path, self._endpoint(kind), methods=["POST"]) for path, kind in (
-            ("/v1/tokenize", "tokenize"), ("/tokenize", "tokenize"),
-            ("/v1/detokenize", "detokenize"), ("/detokenize", "detokenize"))]
+        endpoints: tuple[tuple[str, Kind], ...] = (("/v1/tokenize", "tokenize"), ("/tokenize", "tokenize"),
+                                                   ("/v1/detokenize", "detokenize"), ("/detokenize", "detokenize"))
+        return [Route(path, self._endpoint(kind), methods=["POST"]) for path, kind in endpoints]
 
     def _endpoint(self, kind: Kind) -> Callable[[Request], Any]:
         async def endpoint(request: Request) -> Response:

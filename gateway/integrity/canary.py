@@ -1,10 +1,10 @@
 """The canary: probe tenant isolation through the gateway's own admission and dispatch path.
 
-For each model it sends a probe carrying a unique random marker, then prompts of exactly limit−1, limit, limit+1, 2×limit and pool+1 tokens (token ids, so
-the size is exact), and checks that (a) no answer contains any marker — an answer that does is another request's
-KV, the incident's leak — and (b) every prompt over the limit was refused with 413. Exit 1 on any leak or any
-over-limit prompt admitted, 0 otherwise. Probes are small (a few output tokens) and carry the process's probe token
-(gateway.integrity.probe), which keeps them out of tenant accounting.
+For each model it sends a probe carrying a unique random marker, then prompts of exactly limit−1, limit, limit+1,
+2×limit and pool+1 tokens (token ids, so the size is exact), and checks that (a) no answer contains any marker — an
+answer that does is another request's KV, the incident's leak — and (b) every prompt over the limit was refused with
+413. Exit 1 on any leak or any over-limit prompt admitted, 0 otherwise. Probes are small (a few output tokens) and
+carry the process's probe token (gateway.integrity.probe), which keeps them out of tenant accounting.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ nothing.
 For a sampled request the gateway checks its answer's character n-grams (after lower-casing and dropping everything
 but letters and digits) against a bounded window of other tenants' prompt n-grams, then adds its own prompt's,
 tagged with the tenant. Answers are not remembered: two tenants asking alike may well get alike answers (greedy
-decoding, common facts), while another tenant's prompt text in an answer is the leak's signature. Only hashes are kept — Python's string hash, salted
-per process, so they cannot be looked up elsewhere — never the text. Stored n-grams are taken every `STRIDE`
-characters and checked at every position, so any shared stretch of `NGRAM + STRIDE` characters is found.
+decoding, common facts), while another tenant's prompt text in an answer is the leak's signature. Only hashes are kept
+— Python's string hash, salted per process, so they cannot be looked up elsewhere — never the text. Stored n-grams are
+taken every `STRIDE` characters and checked at every position, so any shared stretch of `NGRAM + STRIDE` characters is
+found.
 """
 
 from __future__ import annotations

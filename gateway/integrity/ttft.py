@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.errors import GatewayError
+
 
 @dataclass(frozen=True, slots=True)
 class TTFTPlausibility:
@@ -21,3 +23,25 @@ class TTFTPlausibility:
         if uncached < self.min_prompt_tokens:
             return None
         return uncached / self.max_prefill_tokens_per_s
+
+    def judge(self, prompt_tokens: int, cached_tokens: int, ttft_s: float) -> Implausible | None:
+        """None when the first token took at least as long as a real prefill of the uncached part could."""
+        floor_s = self.floor_s(prompt_tokens, cached_tokens)
+        if floor_s is None or ttft_s >= floor_s:
+            return None
+        return Implausible(self, prompt_tokens - cached_tokens, ttft_s, floor_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Implausible:
+    rule: TTFTPlausibility
+    uncached_tokens: int
+    ttft_s: float
+    floor_s: float
+
+    def error(self) -> GatewayError:
+        """What the client hears under `strict`: nothing of the answer was released."""
+        return GatewayError(502, f"the decode engine's first token came {self.ttft_s * 1000:.0f} ms after dispatch, "
+                                 f"sooner than a prefill of {self.uncached_tokens} uncached tokens can take "
+                                 f"({self.floor_s * 1000:.0f} ms at most {self.rule.max_prefill_tokens_per_s:g} "
+                                 "tokens/s); nothing was released", code="implausible_ttft")

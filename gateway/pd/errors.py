@@ -63,7 +63,8 @@ def connect_failure(error: EngineError, *also: EngineError) -> GatewayError:
 
 def prefill_may_be_victim(error: EngineError, *, first_token: bool) -> bool:
     """A prefill that reports a failed KV transfer before decode produced anything may be the decode's victim."""
-    return not first_token and isinstance(error, EngineRejected) and bool(_PREFILL_TRANSFER_FAILURE.search(error.detail))
+    return not first_token and isinstance(error, EngineRejected) \
+        and bool(_PREFILL_TRANSFER_FAILURE.search(error.detail))
 
 
 def decode_may_be_victim(error: EngineError, *, first_token: bool, prefill_ok: bool) -> bool:

@@ -16,8 +16,8 @@
     CLIENT GONE ─ the request keeps running until prefill has answered and decode has produced its first token
                   (no KV transfer is cut mid-way), then decode is closed and sent /abort_request.
 
-The exchange runs in tasks of its own, never in the client's handler, so a disconnect cannot cancel it; `ExchangeRegistry`
-keeps it alive until both halves are closed and every abort has been sent.
+The exchange runs in tasks of its own, never in the client's handler, so a disconnect cannot cancel it;
+`ExchangeRegistry` keeps it alive until both halves are closed and every abort has been sent.
 """
 
 from __future__ import annotations
@@ -31,25 +31,35 @@ from typing import Any
 import orjson
 
 from gateway.errors import GatewayError
-from gateway.pd.errors import (PromptCountMismatch, PromptMismatch, connect_failure, decode_may_be_victim,
-                               map_engine_error, prefill_may_be_victim)
+from gateway.pd.errors import (
+    PromptCountMismatch,
+    PromptMismatch,
+    connect_failure,
+    decode_may_be_victim,
+    map_engine_error,
+    prefill_may_be_victim,
+)
 from gateway.pd.events import RELAY_HIGH_WATER, ClientGone, Failure, RelayQueue
+from gateway.pd.output import OutputMeter
 from gateway.pd.plan import ExchangePlan
-from gateway.pd.ports import EngineLink, Engines, EngineStream, TenantHold
+from gateway.pd.ports import EngineLink, Engines, EngineStream, TenantHold, connect_both
 from gateway.pd.registry import ExchangeRegistry, new_rid
 from gateway.pd.release import VerifiedRelease
 from gateway.pd.requests import engine_bodies, expected_counts
 from gateway.pd.states import Decode, ExchangeState, Phase, Prefill
 from gateway.pd.timers import IdleWatchdog, parked, stop
-from routing.engines.answers import (COMPLETION_TOKENS, PROMPT_TOKENS, parse_result, reported_cached_tokens,
-                                     reported_prompt_tokens)
+from routing.engines.answers import (
+    PROMPT_TOKENS,
+    parse_result,
+    reported_cached_tokens,
+    reported_prompt_tokens,
+)
 from routing.engines.errors import EngineBroken, EngineError, EngineRejected, EngineTimeout
 from routing.pools import Lease
 from routing.workers import Worker
 
 log = logging.getLogger("kvgate.lifecycle")
 
-_OUTPUT_STEP = 64  # output tokens between two charges of the tenant's output budget (charged as it streams)
 
 
 class PDExchange:
@@ -67,7 +77,7 @@ class PDExchange:
         self._lease = lease
         self.pair = lease.pair
         self._registry = registry
-        self._tenant_pass = tenant_pass
+        self.output = OutputMeter(tenant_pass)  # owns the tenant's pass from here on
         self.rid = new_rid()
         self.room = registry.rooms.acquire()
         self.request_id: str | None = None  # the client-facing x-request-id (an operator's abort handle)
@@ -81,9 +91,6 @@ class PDExchange:
         self.prompt_tokens = self._count_for(self.pair.prefill)
         self.prefill_cached: int | None = None  # prompt tokens the prefill reported taking from its cache
         self.retries_made = 0
-        self.output_events = 0  # decode events relayed or held (about one per output token when streaming)
-        self.output_tokens = 0  # as decode reports them (completion_tokens), cumulative
-        self._output_reported = 0
         self.aborts: list[tuple[str, bool]] = []  # (role, acknowledged) for every /abort_request sent
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # What happened when (monotonic seconds), for metrics, traces and the access log.
@@ -94,14 +101,13 @@ class PDExchange:
         self.prefill_settled_at: float | None = None
         self.decode_closed_at: float | None = None
         self._ttft_judged = False
-        self._judged: set[tuple[Worker, bool]] = set()  # (worker, success) outcomes already reported
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatch_task: asyncio.Task[None] | None = None
         self._prefill_task: asyncio.Task[None] | None = None
         self._decode_task: asyncio.Task[None] | None = None
         self._links: Sequence[EngineLink] = ()
         self._timers: list[asyncio.TimerHandle] = []
-        self._watchdog: IdleWatchdog | None = None
+        self._watchdog = IdleWatchdog(plan.timeouts.idle_s, self._idle_timeout)  # armed by decode's first token
 
     # ── dispatch ────────────────────────────────────────────────────────────────────────────────────────────
     def start(self) -> None:
@@ -114,27 +120,10 @@ class PDExchange:
                         loop.call_later(timeouts.total_s, self._total_timeout)]
 
     async def _dispatch(self) -> None:
-        tried: set[Worker] = set()
-        while True:
-            links = await self._connect_pair()
-            failed = [(worker, link) for worker, link in zip((self.pair.prefill, self.pair.decode), links)
-                      if isinstance(link, BaseException)]
-            if not failed:
-                break
-            for link in links:
-                if not isinstance(link, BaseException):
-                    link.release()
-            for worker, error in failed:
-                if not isinstance(error, EngineError):
-                    raise error
-                if not isinstance(error, EngineTimeout):  # busy is not broken: health checks judge a hung engine
-                    self._judge(worker, error)
-                tried.add(worker)
-            # Nothing was sent to either engine: another pair may serve the request.
-            if not self._retry_elsewhere(tried):
-                self.fail(connect_failure(*(error for _, error in failed)))  # type: ignore[arg-type]
-                return
-        prefill_link, decode_link = self._links = links  # type: ignore[assignment]
+        links = await self._connect()
+        if links is None:
+            return
+        prefill_link, decode_link = self._links = links
         try:
             prefill_count, decode_count = expected_counts(self.admitted, self.pair)
         except GatewayError as refusal:
@@ -148,29 +137,33 @@ class PDExchange:
         self._prefill_task = self._spawn(self._run_prefill(prefill_link, prefill_body, prefill_count))
         self._decode_task = self._spawn(self._run_decode(decode_link, decode_body, decode_count))
 
-    async def _connect_pair(self) -> list[EngineLink | BaseException]:
-        """Both halves at once. Cancelled meanwhile (a timeout, an operator's abort, shutdown while one half is
-        still connecting), a half that did connect goes back to its pool instead of staying checked out for good."""
-        connecting = [asyncio.ensure_future(self.engines.connect(worker))
-                      for worker in (self.pair.prefill, self.pair.decode)]
-        try:
-            return await asyncio.gather(*connecting, return_exceptions=True)
-        except asyncio.CancelledError:
-            for task in connecting:
-                if task.done() and not task.cancelled() and task.exception() is None:
-                    task.result().release()
-            raise
+    async def _connect(self) -> tuple[EngineLink, EngineLink] | None:
+        """Both halves connected, on this pair or (nothing having been sent) another; None: failed."""
+        tried: set[Worker] = set()
+        while True:
+            prefill, decode = await connect_both(self.engines, self.pair.prefill, self.pair.decode)
+            if not isinstance(prefill, BaseException) and not isinstance(decode, BaseException):
+                return prefill, decode
+            failed: list[EngineError] = []
+            for worker, link in ((self.pair.prefill, prefill), (self.pair.decode, decode)):
+                if not isinstance(link, BaseException):
+                    link.release()
+                    continue
+                if not isinstance(link, EngineError):
+                    raise link
+                if not isinstance(link, EngineTimeout):  # busy is not broken: health checks judge a hung engine
+                    self._judge(worker, link)
+                tried.add(worker)
+                failed.append(link)
+            if not self._retry_elsewhere(tried):
+                self.fail(connect_failure(*failed))
+                return None
 
     def _retry_elsewhere(self, tried: set[Worker]) -> bool:
         """Move to another pair with a fresh rid and room, if retries, the budget and the pool allow."""
         retries = self.plan.retries
-        if retries is None or self.retries_made >= retries.attempts or self.failure is not None:
-            return False
-        lease = retries.repick(tried)
+        lease = retries.next_lease(tried, self.retries_made) if retries and self.failure is None else None
         if lease is None:
-            return False
-        if not retries.budget.withdraw():
-            lease.release()
             return False
         self.retries_made += 1
         pair = lease.pair
@@ -193,13 +186,8 @@ class PDExchange:
         """Report what this request said about an engine to its breaker: a success once, and a failure of the
         engine's own once (5xx, broken connection, its own timeout; it may follow a success, e.g. a stream that
         broke after its first token). A 4xx is the request's fault and says nothing."""
-        if isinstance(error, EngineRejected) and error.status < 500:
-            return
-        key = (worker, error is None)
-        if key in self._judged:
-            return
-        self._judged.add(key)
-        worker.record_outcome(error is None, self._lease.ticket(worker))
+        if not (isinstance(error, EngineRejected) and error.status < 500):
+            self._lease.report(worker, error is None)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -217,16 +205,14 @@ class PDExchange:
             link.release()  # a half cancelled before it ran never used its connection: back to the pool
         for timer in self._timers:
             timer.cancel()
-        if self._watchdog is not None:
-            self._watchdog.stop()
+        self._watchdog.stop()
         self._lease.release()
         self.finished_at = time.monotonic()
         self.state.move(Phase.CLOSED)
         self._registry.rooms.release(self.room)
         self._registry.running.discard(self)
         self.closed.set_result(None)
-        if self._tenant_pass is not None:
-            self._tenant_pass.release(output_tokens=self.output_tokens or self.output_events)
+        self.output.close()
         self._registry.on_closed(self)
 
     # ── outcomes ────────────────────────────────────────────────────────────────────────────────────────────
@@ -265,7 +251,8 @@ class PDExchange:
         if not self.state.prefill_settled:
             # A prefill waits for its decode to take the KV transfer: it is to blame only if decode got that far.
             blame = self.pair.prefill if self.first_token_at is not None else None
-            self._fail_leg(blame, EngineTimeout("prefill", f"prefill did not answer within {self.timeouts.prefill_s:g}s"))
+            self._fail_leg(blame, EngineTimeout("prefill",
+                                                f"prefill did not answer within {self.timeouts.prefill_s:g}s"))
 
     def _first_token_timeout(self) -> None:
         if self.first_token_at is None:
@@ -316,22 +303,17 @@ class PDExchange:
         if rule is None or self._ttft_judged or self.first_token_at is None or not self.state.prefill_ok:
             return False
         self._ttft_judged = True
-        cached = self.prefill_cached or 0
-        floor_s = rule.floor_s(self.prompt_tokens, cached)
-        ttft = self.first_token_at - self.started_at
-        if floor_s is None or ttft >= floor_s:
+        verdict = rule.judge(self.prompt_tokens, self.prefill_cached or 0, self.first_token_at - self.started_at)
+        if verdict is None:
             return False
         self.implausible_ttft = True
-        log.error("implausible first token: rid=%s model=%s prefill=%s decode=%s prompt_tokens=%d cached=%d "
+        log.error("implausible first token: rid=%s model=%s prefill=%s decode=%s prompt_tokens=%d uncached=%d "
                   "ttft_ms=%.1f floor_ms=%.1f strict=%s", self.rid, self.admitted.model, self.pair.prefill.url,
-                  self.pair.decode.url, self.prompt_tokens, cached, ttft * 1000, floor_s * 1000, rule.strict)
-        if not rule.strict:
-            return False
-        self.fail(GatewayError(502, f"the decode engine's first token came {ttft * 1000:.0f} ms after dispatch, "
-                                    f"sooner than a prefill of {self.prompt_tokens - cached} uncached tokens can take "
-                                    f"({floor_s * 1000:.0f} ms at most {rule.max_prefill_tokens_per_s:g} tokens/s); "
-                                    "nothing was released", code="implausible_ttft"))
-        return True
+                  self.pair.decode.url, self.prompt_tokens, verdict.uncached_tokens, verdict.ttft_s * 1000,
+                  verdict.floor_s * 1000, rule.strict)
+        if rule.strict:
+            self.fail(verdict.error())
+        return rule.strict
 
     def _verify_count(self, role: str, worker: Worker, reported: int | None, expected: int) -> None:
         if reported == expected:
@@ -355,9 +337,7 @@ class PDExchange:
             result = parse_result("prefill", payload)
             self._verify_count("prefill", worker, reported_prompt_tokens(self.admitted.route, result), expected)
             if self.admitted.merge_logprobs:
-                meta = result.get("meta_info")
-                logprobs = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
-                self._release.prompt_logprobs = logprobs if isinstance(logprobs, list) else []
+                self._release.take_prompt_logprobs(result)
             self.prefill_cached = reported_cached_tokens(self.admitted.route, result)
             self.state.move(Prefill.OK)
             self._judge(worker, None)
@@ -390,6 +370,11 @@ class PDExchange:
             self._lease.prefill_done()  # its work no longer queues on the engine (the cache-aware policy weighs it)
 
     @property
+    def output_events(self) -> int:
+        """Decode events relayed or held (about one per output token when streaming)."""
+        return self.output.events
+
+    @property
     def predicted_cached(self) -> int | None:
         """Prompt tokens the cache-aware pick expected the prefill to hold (None: no prediction made)."""
         return self._lease.predicted_cached
@@ -401,8 +386,7 @@ class PDExchange:
         try:
             response = await link.generate(self.admitted.route, body, self.plan.engine_headers)
             async for data in response.events():
-                if self._watchdog is not None:
-                    self._watchdog.touch()
+                self._watchdog.touch()
                 if self.state.decode is Decode.SAID_DONE:
                     raise EngineBroken("decode", "decode sent an event after [DONE]")
                 if data == b"[DONE]":
@@ -412,7 +396,7 @@ class PDExchange:
                 if first:
                     self.first_token_at = time.monotonic()
                     self.state.move(Decode.STREAMING)
-                    self._watchdog = IdleWatchdog(self.timeouts.idle_s, self._idle_timeout)
+                    self._watchdog.arm()
                     if self._judge_first_token_time():
                         await parked()  # failed under strict: `_cancel` closes this half in the safe order
                 self._on_decode_event(data, worker, expected)
@@ -424,7 +408,7 @@ class PDExchange:
                     # the client's doing: the idle timer waits too.
                     self._watchdog.pause()
                     await self.events.drained()
-                    self._watchdog.resume()
+                    self._watchdog.arm()
             if self.first_token_at is None:
                 raise EngineBroken("decode", "decode stream ended before its first token")
             if self.state.decode is not Decode.SAID_DONE:
@@ -452,8 +436,7 @@ class PDExchange:
             self.fail(GatewayError(502, "the decode engine's answer could not be handled", code="decode_failed"))
             await parked()
         finally:
-            if self._watchdog is not None:
-                self._watchdog.stop()
+            self._watchdog.stop()
             if response is not None:
                 response.close()
             self.decode_closed_at = time.monotonic()
@@ -474,21 +457,9 @@ class PDExchange:
         for match in PROMPT_TOKENS.finditer(data):
             self._verify_count("decode", worker, int(match[1]), expected)
             self.state.decode_counted = True
-        self.output_events += 1
-        hold = self._tenant_pass
-        if hold is not None and hold.charges_output:
-            self._count_output(data, hold)
+        self.output.observe(data)
         if not self.client_gone and self._release.offer(data):
             self._maybe_release()
-
-    def _count_output(self, data: bytes, hold: TenantHold) -> None:
-        match = COMPLETION_TOKENS.search(data)
-        tokens = int(match[1]) if match is not None else self.output_tokens + 1
-        if tokens > self.output_tokens:
-            self.output_tokens = tokens
-            if tokens - self._output_reported >= _OUTPUT_STEP:
-                self._output_reported = tokens
-                hold.output_so_far(tokens)
 
     async def _abort(self, worker: Worker) -> None:
         self.aborts.append((worker.role, await self.engines.abort(worker.url, self.rid)))

@@ -25,6 +25,16 @@ class Retries:
     repick: Callable[[Collection[Worker]], Lease | None]
     budget: RetryBudget
 
+    def next_lease(self, tried: Collection[Worker], made: int) -> Lease | None:
+        """Another pair without the workers tried, if attempts and the gateway's retry budget allow."""
+        if made >= self.attempts:
+            return None
+        lease = self.repick(tried)
+        if lease is not None and not self.budget.withdraw():
+            lease.release()
+            return None
+        return lease
+
 
 @dataclass(frozen=True, slots=True)
 class ExchangePlan:

@@ -3,6 +3,7 @@ in-process tests)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
@@ -26,6 +27,22 @@ class EngineLink(Protocol):
 class Engines(Protocol):
     async def connect(self, worker: Worker) -> EngineLink: ...
     async def abort(self, url: str, rid: str) -> bool: ...
+
+
+async def connect_both(engines: Engines, prefill: Worker, decode: Worker,
+                       ) -> tuple[EngineLink | BaseException, EngineLink | BaseException]:
+    """A verified connection to each half, at once. Cancelled meanwhile (a timeout, an operator's abort, shutdown
+    while one half is still connecting), a half that did connect goes back to its pool instead of staying checked
+    out for good."""
+    connecting = [asyncio.ensure_future(engines.connect(worker)) for worker in (prefill, decode)]
+    try:
+        first, second = await asyncio.gather(*connecting, return_exceptions=True)
+    except asyncio.CancelledError:
+        for task in connecting:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().release()
+        raise
+    return first, second
 
 
 class TenantHold(Protocol):

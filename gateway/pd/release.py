@@ -35,6 +35,11 @@ class VerifiedRelease:
         self._held.append(payload)
         return True
 
+    def take_prompt_logprobs(self, prefill_answer: dict[str, Any]) -> None:
+        meta = prefill_answer.get("meta_info")
+        logprobs = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+        self.prompt_logprobs = logprobs if isinstance(logprobs, list) else []
+
     def drop(self) -> None:
         """The exchange failed: nothing held may ever go out."""
         self._held.clear()

@@ -7,27 +7,28 @@ from collections.abc import Callable
 
 
 class IdleWatchdog:
-    """Calls `on_idle` after `idle_s` without `touch()`. One timer per idle period, re-armed lazily, because
-    re-arming a timer on every chunk would cost more than the relay itself."""
+    """Once armed, calls `on_idle` after `idle_s` without `touch()`. One timer per idle period, re-armed lazily,
+    because re-arming a timer on every chunk would cost more than the relay itself."""
 
     def __init__(self, idle_s: float, on_idle: Callable[[], None]) -> None:
         self._idle_s = idle_s
         self._on_idle = on_idle
         self._loop = asyncio.get_running_loop()
-        self._last = self._loop.time()
-        self._timer: asyncio.TimerHandle | None = self._loop.call_at(self._last + idle_s, self._check)
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     def touch(self) -> None:
         self._last = self._loop.time()
 
-    def pause(self) -> None:
-        """No timeout until `resume()`."""
-        self.stop()
-
-    def resume(self) -> None:
+    def arm(self) -> None:
+        """Idle time counts from now (again, after `pause`)."""
         self._last = self._loop.time()
         if self._timer is None:
             self._timer = self._loop.call_at(self._last + self._idle_s, self._check)
+
+    def pause(self) -> None:
+        """No timeout until `arm()`."""
+        self.stop()
 
     def _check(self) -> None:
         deadline = self._last + self._idle_s

@@ -1,1 +1,1 @@
-"""The gateway as a service: its models, its requests in flight, its place in the fleet, and the admit-to-dispatch flow."""
+"""The gateway as a service: its models, requests in flight, place in the fleet, and the admit-to-dispatch flow."""

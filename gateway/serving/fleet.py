@@ -14,10 +14,10 @@ from gateway.errors import model_disabled
 from gateway.pd.registry import ExchangeRegistry
 from gateway.serving.inflight import Inflight
 from gateway.serving.models import ServedModel
+from gateway.telemetry.metrics import GatewayMetrics
 from gateway.tenancy.limiter import TenantLimiter
 from gateway.tenancy.salts import CacheSalts
 from gateway.tenancy.tenants import TenantDirectory
-from gateway.telemetry.metrics import GatewayMetrics
 from routing.state import FleetReport, FleetState, FleetView, StateUnavailable
 from routing.state.memory import MemoryState
 from routing.state.redis_state import RedisState, RedisTarget

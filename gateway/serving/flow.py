@@ -17,8 +17,9 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, aborted_by_operator, model_unavailable
 from gateway.http.body import RequestBody
 from gateway.integrity.provenance import ProvenanceChecker
-from gateway.pd.exchange import ExchangeRegistry, PDExchange
+from gateway.pd.exchange import PDExchange
 from gateway.pd.plan import ExchangePlan, Retries
+from gateway.pd.registry import ExchangeRegistry
 from gateway.serving.inflight import Inflight
 from gateway.serving.models import ServedModel
 from gateway.telemetry.record import RequestRecord

@@ -10,8 +10,8 @@ from pathlib import Path
 from gateway.admission.offload import AdmissionWorkers
 from gateway.config import GatewayConfig
 from gateway.integrity.provenance import ProvenanceChecker, ProvenanceWindow
-from gateway.pd.registry import ExchangeRegistry, RoomAllocator
 from gateway.pd.exchange import PDExchange
+from gateway.pd.registry import ExchangeRegistry, RoomAllocator
 from gateway.serving.fleet import Fleet, fleet_report, follow_fleet
 from gateway.serving.flow import Flow
 from gateway.serving.inflight import Inflight
@@ -142,7 +142,8 @@ class Gateway:
         if running is not None:
             await running.stop()
         if routing.reads_engine_loads:
-            poller = LoadPoller(self.engines, lambda pool=model.pool: pool.workers, interval_s=routing.load_poll_s)
+            pool = model.pool
+            poller = LoadPoller(self.engines, lambda: pool.workers, interval_s=routing.load_poll_s)
             poller.start()
             self.load_pollers[model.name] = poller
 

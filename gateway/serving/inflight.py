@@ -18,7 +18,7 @@ from routing.state import FleetState
 class Waiting:
     """One request's turn in the queue; `handed_over()` once its exchange carries the id."""
 
-    __slots__ = ("_inflight", "request_id", "dispatched")
+    __slots__ = ("_inflight", "dispatched", "request_id")
 
     def __init__(self, inflight: Inflight, request_id: str) -> None:
         self._inflight = inflight

@@ -12,7 +12,6 @@ import asyncio
 import logging
 
 from gateway.config import ConfigError, GatewayConfig, ModelConfig, load_config
-
 from gateway.serving.gateway import Gateway
 from gateway.serving.models import ServedModel, health_spec, make_policies, model_spec
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+
 import orjson
 
 from gateway.config import LoggingConfig
@@ -14,7 +15,7 @@ from gateway.config import LoggingConfig
 class JsonLines(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, object] = {
-            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage(),
         }
         access = getattr(record, "access", None)

@@ -15,7 +15,7 @@ from routing.prefix_index import CacheMode
 from routing.prefix_index.subscriber import KvEventSubscriber
 from routing.workers import Worker
 
-disable_created_metrics()  # no `_created` twin of every counter and histogram: twice the series, no use here
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` twin of every counter and histogram: twice the series, no use here
 
 _TOKENS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 _RATIO = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)

@@ -10,6 +10,7 @@ from gateway.tenancy.errors import RateLimited, StateDown
 from gateway.tenancy.tenants import Tenant
 from routing.state import Budget, FleetState, StateUnavailable
 
+
 class TenantPass:
     """An admitted request's hold on its tenant: the concurrency slot (given back once) and its output charge."""
 

@@ -30,7 +30,7 @@ class Tenant:
         return self.limits != _NO_LIMITS
 
 
-# The gateway's own canary traffic (its secret header checked by gateway.integrity.probe): no key, no limits, its own salt.
+# The gateway's own canary traffic (its secret header checked by gateway.integrity.probe): no key, no limits, own salt.
 CANARY = Tenant("kvgate:canary")
 
 

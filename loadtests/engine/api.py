@@ -19,8 +19,8 @@ from .errors import HTTPError
 from .faults import Fault
 from .formats import BAD_REQUEST, Format, NativeFormat, PromptSpec, StreamState, openai_error, sse
 from .httpcore import Request
-from .prefix_cache import namespace
 from .openai_formats import ChatFormat, CompletionFormat
+from .prefix_cache import namespace
 from .reqlog import ABORTED, CLIENT_DISCONNECTED, ERROR, FINISHED, ReqRecord
 from .tokenizer import StreamDetokenizer
 

@@ -45,12 +45,12 @@ def chain(prior: bytes | None, tokens: Sequence[int], page_size: int) -> tuple[a
     step = 4 * page_size
     digests: list[bytes] = []
     append, sha256 = digests.append, _sha256
-    start, digest = 0, prior
+    first, digest = 0, prior
     if not digest and data:  # `if prior_hash:` - the root has none
         digest = sha256(data[:step]).digest()
         append(digest)
-        start = step
-    for start in range(start, len(data), step):
+        first = step
+    for start in range(first, len(data), step):
         digest = sha256(digest + data[start:start + step]).digest()
         append(digest)
     out = array("q")

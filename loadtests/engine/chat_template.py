@@ -10,8 +10,9 @@ runs on a second tokenizer, loaded on first need (about half a second); all othe
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import jinja2
 

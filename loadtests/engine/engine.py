@@ -19,10 +19,12 @@ from .kvlink import Claim, DecodeLinks, RoomRegistry, RoomRejected, TransferFail
 from .kvpool import KVPool
 from .metrics import Metrics
 from .model import first_token, generate
-from .prefix_cache import PrefixCache
 from .prefill_stats import PrefillStats
+from .prefix_cache import PrefixCache
 from .reqlog import ABORTED, ReqRecord, RequestLog
 from .tokenizer import PromptTokenizer
+
+_REJECTS: set[asyncio.Future[None]] = set()  # transfer rejections being sent to a prefill
 
 
 class Aborted(Exception):
@@ -32,9 +34,28 @@ class Aborted(Exception):
 class Gen:
     """One in-flight generation request."""
 
-    __slots__ = ("rec", "rid", "input_ids", "kv_ids", "max_new", "max_new_given", "room", "host", "port",
-                 "to_finish", "pages", "kv_tokens", "positions", "first", "output", "task", "abort_reason",
-                 "queue", "prompt_offset", "hide_stub")
+    __slots__ = (
+        "abort_reason",
+        "first",
+        "hide_stub",
+        "host",
+        "input_ids",
+        "kv_ids",
+        "kv_tokens",
+        "max_new",
+        "max_new_given",
+        "output",
+        "pages",
+        "port",
+        "positions",
+        "prompt_offset",
+        "queue",
+        "rec",
+        "rid",
+        "room",
+        "task",
+        "to_finish",
+    )
 
     def __init__(self, rec: ReqRecord, input_ids: list[int], max_new: int | None, default_max_new: int,
                  host: str | None, port: int | None, room: int | None) -> None:
@@ -124,7 +145,10 @@ class Engine:
         if self.cfg.role == "prefill":
             self.rooms.reject_from_prefill(gen.room, msg)
         else:
-            asyncio.ensure_future(self._send_reject(gen.host or "127.0.0.1", self._peer_port(gen), gen.room, msg))
+            sending = self._send_reject(gen.host or "127.0.0.1", self._peer_port(gen), gen.room, msg)
+            task = asyncio.ensure_future(sending)
+            _REJECTS.add(task)  # kept from the garbage collector until sent
+            task.add_done_callback(_REJECTS.discard)
 
     async def _send_reject(self, host: str, port: int, room: int, msg: str) -> None:
         try:

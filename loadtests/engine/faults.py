@@ -46,7 +46,7 @@ class Fault:
     hits: int = 0
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Fault":
+    def from_json(cls, d: dict[str, Any]) -> Fault:
         if not isinstance(d, dict) or d.get("action") not in ACTIONS:
             raise FaultError(f"fault needs 'action' in {sorted(ACTIONS)}")
         known = {"action", "status", "delay_ms", "after_chunks", "path", "rid_prefix", "count", "message", "offset",

@@ -59,8 +59,20 @@ def reported_prompt_tokens(gen: Any) -> int:
 
 
 class StreamState:
-    __slots__ = ("rid", "created", "model", "ids", "text", "include_usage", "continuous_usage", "gen", "frame",
-                 "return_logprob", "output_logprobs", "echo_text")
+    __slots__ = (
+        "continuous_usage",
+        "created",
+        "echo_text",
+        "frame",
+        "gen",
+        "ids",
+        "include_usage",
+        "model",
+        "output_logprobs",
+        "return_logprob",
+        "rid",
+        "text",
+    )
 
     def __init__(self, gen: Any, spec: PromptSpec) -> None:
         self.gen = gen

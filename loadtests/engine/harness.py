@@ -24,10 +24,10 @@ import select
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import TimeoutExpired
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .forked import ForkedEngineProcess
@@ -130,7 +130,7 @@ class RunningEngine:
         return ["--role", self.role, "--host", self.host, "--port", str(self.port),
                 "--bootstrap-port", str(self.bootstrap_port), *_flags(self.opts)]
 
-    def start(self) -> "RunningEngine":
+    def start(self) -> RunningEngine:
         """Launch and block until the ready line; raises RuntimeError with the child's stderr on failure."""
         self.launch()
         return self.wait_ready()
@@ -141,7 +141,7 @@ class RunningEngine:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
         self.proc = ForkedEngineProcess(self.arguments(), env, str(REPO_ROOT))
 
-    def wait_ready(self) -> "RunningEngine":
+    def wait_ready(self) -> RunningEngine:
         assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + self.startup_timeout_s
         assert self.proc.stdout is not None
@@ -183,13 +183,13 @@ class RunningEngine:
         self.proc = None
         return code
 
-    def restart(self, **changed_opts: Any) -> "RunningEngine":
+    def restart(self, **changed_opts: Any) -> RunningEngine:
         """Stop, then start again on the same ports with `changed_opts` merged into the options."""
         self.stop()
         self.opts = {**self.opts, **changed_opts}
         return self.start()
 
-    def __enter__(self) -> "RunningEngine":
+    def __enter__(self) -> RunningEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -228,7 +228,7 @@ class EnginePair:
         self.decode.stop()
         self.prefill.stop()
 
-    def __enter__(self) -> "EnginePair":
+    def __enter__(self) -> EnginePair:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -265,7 +265,7 @@ def start_pair(*, prefill_pool: int, decode_pool: int, context_length: int, bug:
     return _on_fresh_ports(start)
 
 
-async def naive_pd_request(session: "aiohttp.ClientSession", pair: EnginePair, path: str, body: dict[str, Any],
+async def naive_pd_request(session: aiohttp.ClientSession, pair: EnginePair, path: str, body: dict[str, Any],
                            room: int, **kwargs: Any) -> tuple[tuple[int, bytes], tuple[int, bytes]]:
     """Send both halves at once with the same room, as sglang-router and MiniLB do; returns
     ((prefill_status, prefill_body), (decode_status, decode_body))."""

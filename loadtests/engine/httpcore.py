@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qsl
 
 import httptools
@@ -35,10 +35,19 @@ def _status_line(status: int) -> bytes:
 class Request:
     """One parsed request; the handler answers through `respond` or `start_stream`/`send_chunk`/`end_stream`."""
 
-    __slots__ = ("conn", "method", "path", "query_string", "headers", "body", "keep_alive", "responded",
-                 "_body_parts")
+    __slots__ = (
+        "_body_parts",
+        "body",
+        "conn",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "query_string",
+        "responded",
+    )
 
-    def __init__(self, conn: "HttpConnection", method: str, url: bytes, keep_alive: bool) -> None:
+    def __init__(self, conn: HttpConnection, method: str, url: bytes, keep_alive: bool) -> None:
         self.conn = conn
         self.method = method
         path, _, qs = url.partition(b"?")
@@ -93,10 +102,22 @@ class Request:
 
 
 class HttpConnection(asyncio.Protocol):
-    __slots__ = ("server", "transport", "parser", "closed_at", "on_lost", "_closed", "_queue", "_busy", "_cur", "_hdrs",
-                 "_url")
+    __slots__ = (
+        "_busy",
+        "_closed",
+        "_cur",
+        "_hdrs",
+        "_queue",
+        "_runner",
+        "_url",
+        "closed_at",
+        "on_lost",
+        "parser",
+        "server",
+        "transport",
+    )
 
-    def __init__(self, server: "HttpServer") -> None:
+    def __init__(self, server: HttpServer) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
@@ -105,6 +126,7 @@ class HttpConnection(asyncio.Protocol):
         self._closed: asyncio.Future[None] | None = None
         self._queue: deque[Request] = deque()
         self._busy = False
+        self._runner: asyncio.Future[None] | None = None
         self._cur: Request | None = None
         self._url = b""
         self._hdrs: dict[str, str] = {}
@@ -164,7 +186,7 @@ class HttpConnection(asyncio.Protocol):
             self._queue.append(req)
         else:
             self._busy = True
-            asyncio.ensure_future(self._run(req))
+            self._runner = asyncio.ensure_future(self._run(req))  # one at a time per connection; kept from GC
 
     # internals
     async def _run(self, req: Request) -> None:
@@ -173,7 +195,8 @@ class HttpConnection(asyncio.Protocol):
                 await self.server.dispatch(req)
             except Exception as e:  # a handler bug must not kill the connection silently
                 self.server.log_error(req, e)
-                req.respond(500, b'{"object":"error","message":"internal emulator error","type":"500","param":null,"code":500}')
+                req.respond(500, b'{"object":"error","message":"internal emulator error","type":"500",'
+                                 b'"param":null,"code":500}')
             if not self._queue or self.closed_at is not None:
                 self._busy = False
                 return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -174,7 +174,7 @@ class InfoAPI:
             return
         load["num_total_reqs"] = running + waiting
         req.respond(200, orjson.dumps({
-            "timestamp": datetime.now(timezone.utc).isoformat(), "version": cfg.version, "dp_rank_count": 1,
+            "timestamp": datetime.now(UTC).isoformat(), "version": cfg.version, "dp_rank_count": 1,
             "loads": [load],
             "aggregate": {"total_running_reqs": running, "total_waiting_reqs": waiting,
                           "total_reqs": running + waiting, "avg_token_usage": round(usage, 4),
@@ -226,7 +226,7 @@ class InfoAPI:
             req.respond(200, ("\n".join(lines) + "\n").encode(), b"text/plain; version=0.0.4; charset=utf-8")
             return
         req.respond(200, orjson.dumps({
-            "timestamp": datetime.now(timezone.utc).isoformat(), "version": cfg.version, "accelerator": None,
+            "timestamp": datetime.now(UTC).isoformat(), "version": cfg.version, "accelerator": None,
             "num_accelerators": 1, "loads": [load]}))
 
     async def metrics(self, req: Request) -> None:
@@ -234,7 +234,7 @@ class InfoAPI:
 
     def _refresh(self, m: Metrics) -> None:
         cfg, pool = self.cfg, self.engine.pool
-        running, waiting, _, q = self._counts()
+        running, _waiting, _, q = self._counts()
         m.num_running_reqs.set(running)
         m.num_queue_reqs.set(q["waiting"])  # the prefill's waiting queue (PD decodes queue in prealloc/transfer)
         m.num_used_tokens.set(pool.used_tokens)

@@ -46,7 +46,7 @@ class KvEventsConfig:
     format: str = "default"  # 0.5.22+: "dynamo" (namespaced hashes) is not emulated
 
     @classmethod
-    def parse(cls, raw: str, dialect: Dialect) -> "KvEventsConfig":
+    def parse(cls, raw: str, dialect: Dialect) -> KvEventsConfig:
         """`KVEventsConfig.from_cli`; raises ValueError."""
         data = json.loads(raw)
         if not isinstance(data, dict):

@@ -17,8 +17,17 @@ from array import array
 from typing import Any
 
 from .dialect import Dialect
-from .kv_event_wire import (GPU, AllBlocksCleared058, AllBlocksCleared0522, BlockRemoved058, BlockRemoved0522,
-                            BlockStored058, BlockStored0522, KVEventBatch058, KVEventBatch0522)
+from .kv_event_wire import (
+    GPU,
+    AllBlocksCleared0522,
+    AllBlocksCleared058,
+    BlockRemoved0522,
+    BlockRemoved058,
+    BlockStored0522,
+    BlockStored058,
+    KVEventBatch0522,
+    KVEventBatch058,
+)
 
 
 class Recorder058:

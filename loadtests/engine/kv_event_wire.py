@@ -15,7 +15,7 @@ the rank the publisher sets to 0).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any
 
 import msgspec
 
@@ -24,7 +24,7 @@ import msgspec
 class EventBatch058(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
-    attn_dp_rank: Optional[int] = None
+    attn_dp_rank: int | None = None
 
 
 class KVCacheEvent058(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -33,10 +33,10 @@ class KVCacheEvent058(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
 class BlockStored058(KVCacheEvent058, tag="BlockStored"):
     block_hashes: list[int]
-    parent_block_hash: Optional[int]
+    parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
+    lora_id: int | None
 
 
 class BlockRemoved058(KVCacheEvent058, tag="BlockRemoved"):
@@ -48,7 +48,7 @@ class AllBlocksCleared058(KVCacheEvent058, tag="AllBlocksCleared"):
 
 
 class KVEventBatch058(EventBatch058):
-    events: list[Union[BlockStored058, BlockRemoved058, AllBlocksCleared058]]
+    events: list[BlockStored058 | BlockRemoved058 | AllBlocksCleared058]
 
 
 # 0.5.22+
@@ -58,7 +58,7 @@ GPU = "GPU"  # StorageMedium.GPU, a str enum: encoded as its value
 class EventBatch0522(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[Any]
-    attn_dp_rank: Optional[int] = None
+    attn_dp_rank: int | None = None
 
 
 class KVCacheEvent0522(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -67,19 +67,19 @@ class KVCacheEvent0522(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 class BlockStored0522(KVCacheEvent0522, tag="BlockStored"):
     block_hashes: list[int]
-    parent_block_hash: Optional[int]
+    parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str] = None
-    cache_salt: Optional[str] = None
-    session_id: Optional[str] = None
-    lora_name: Optional[str] = None
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
 
 
 class BlockRemoved0522(KVCacheEvent0522, tag="BlockRemoved"):
     block_hashes: list[int]
-    medium: Optional[str] = None
+    medium: str | None = None
 
 
 class AllBlocksCleared0522(KVCacheEvent0522, tag="AllBlocksCleared"):
@@ -87,4 +87,4 @@ class AllBlocksCleared0522(KVCacheEvent0522, tag="AllBlocksCleared"):
 
 
 class KVEventBatch0522(EventBatch0522):
-    events: list[Union[BlockStored0522, BlockRemoved0522, AllBlocksCleared0522]]
+    events: list[BlockStored0522 | BlockRemoved0522 | AllBlocksCleared0522]

@@ -14,8 +14,9 @@ small frame each way instead of an HTTP request:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 
@@ -24,7 +25,7 @@ UPGRADE_TOKEN = "kvgate-kv"
 
 @dataclass
 class Claim:
-    channel: "PrefillChannel"
+    channel: PrefillChannel
     dst: int
 
 
@@ -65,7 +66,7 @@ class RoomRegistry:
         self.prefill_rejects[room_id] = msg
         asyncio.get_running_loop().call_later(self._linger_s, self.prefill_rejects.pop, room_id, None)
 
-    def on_frame(self, channel: "PrefillChannel", frame: dict[str, Any]) -> None:
+    def on_frame(self, channel: PrefillChannel, frame: dict[str, Any]) -> None:
         op, room_id = frame.get("op"), frame.get("room")
         if not isinstance(room_id, int):
             return
@@ -158,7 +159,7 @@ class TransferFailed(Exception):
 class DecodeLink(_LineProtocol):
     """Decode end of the KV connection to one prefill bootstrap address."""
 
-    def __init__(self, on_lost: Callable[["DecodeLink"], None]) -> None:
+    def __init__(self, on_lost: Callable[[DecodeLink], None]) -> None:
         super().__init__()
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
@@ -47,6 +47,6 @@ class Metrics:
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
                              list(tok), buckets=_E2E_BUCKETS, registry=r).labels(**tok)
 
-    def render(self, refresh: Callable[["Metrics"], None]) -> bytes:
+    def render(self, refresh: Callable[[Metrics], None]) -> bytes:
         refresh(self)  # gauges are sampled at scrape time instead of on every request
         return generate_latest(self.registry)

@@ -18,8 +18,17 @@ from .chat_prompt import build_prompt, check_request
 from .config import EngineConfig
 from .dialect import Dialect
 from .errors import HTTPError
-from .formats import (BAD_REQUEST, Format, PromptSpec, StreamState, fake_logprob, openai_error, prompt_ids,
-                      reported_prompt_tokens, sse)
+from .formats import (
+    BAD_REQUEST,
+    Format,
+    PromptSpec,
+    StreamState,
+    fake_logprob,
+    openai_error,
+    prompt_ids,
+    reported_prompt_tokens,
+    sse,
+)
 from .openai_models import models_for
 
 # stand-ins for the delta and the usage in the cached content-chunk frame

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BaseModel, Field, TypeAdapter, field_validator, model_serializer,
-                      model_validator)
+from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, field_validator, model_serializer, model_validator
 
 from .dialect import Dialect
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class PrefillStats:
-    __slots__ = ("uncached_tokens", "busy_us", "cache_hit_rate")
+    __slots__ = ("busy_us", "cache_hit_rate", "uncached_tokens")
 
     def __init__(self) -> None:
         self.uncached_tokens = 0  # 0.5.22+ total_prefill_uncached_tokens (`batch.extend_num_tokens`, summed)

@@ -42,9 +42,9 @@ class CacheEvents(Protocol):
 
 
 class _Node:
-    __slots__ = ("key", "children", "parent", "tick", "hashes", "digest")
+    __slots__ = ("children", "digest", "hashes", "key", "parent", "tick")
 
-    def __init__(self, key: list[int], parent: "_Node | None", tick: int) -> None:
+    def __init__(self, key: list[int], parent: _Node | None, tick: int) -> None:
         self.key = key
         self.children: dict[Any, _Node] = {}
         self.parent = parent

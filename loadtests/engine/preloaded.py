@@ -21,5 +21,5 @@ try:
     from .tokenizer import preload
 
     preload(DEFAULT_TOKENIZER)
-except Exception as exc:  # noqa: BLE001  (engines still start, each loading its own)
+except Exception as exc:
     print(f"loadtests.engine.preloaded: nothing preloaded: {exc!r}", file=sys.stderr)

@@ -13,10 +13,30 @@ ERROR = "error"
 
 
 class ReqRecord:
-    __slots__ = ("rid", "role", "path", "stream", "bootstrap_room", "bootstrap_host", "bootstrap_port", "arrival",
-                 "end", "outcome", "status", "error", "prompt_tokens", "completion_tokens", "transferred_tokens",
-                 "connection_closed", "fault", "first_token", "traceparent", "request_id", "extra_key",
-                 "cached_tokens")
+    __slots__ = (
+        "arrival",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "cached_tokens",
+        "completion_tokens",
+        "connection_closed",
+        "end",
+        "error",
+        "extra_key",
+        "fault",
+        "first_token",
+        "outcome",
+        "path",
+        "prompt_tokens",
+        "request_id",
+        "rid",
+        "role",
+        "status",
+        "stream",
+        "traceparent",
+        "transferred_tokens",
+    )
 
     def __init__(self, rid: str, role: str, path: str, stream: bool) -> None:
         self.rid = rid

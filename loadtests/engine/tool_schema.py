@@ -133,7 +133,7 @@ def schema_error(schema: Any, path: str = "schema") -> str | None:
     if "$vocabulary" in schema and not (isinstance(schema["$vocabulary"], dict)
                                         and all(isinstance(v, bool) for v in schema["$vocabulary"].values())):
         return f"{schema['$vocabulary']!r} is not an object of booleans (at {path}['$vocabulary'])"
-    for key in _SCHEMA_VALUES + ("contentSchema",):
+    for key in (*_SCHEMA_VALUES, "contentSchema"):
         if key in schema and (err := schema_error(schema[key], f"{path}[{key!r}]")):
             return err
     for key in _SCHEMA_LISTS:
@@ -144,7 +144,7 @@ def schema_error(schema: Any, path: str = "schema") -> str | None:
             for i, sub in enumerate(subs):
                 if err := schema_error(sub, f"{path}[{key!r}][{i}]"):
                     return err
-    for key in _SCHEMA_MAPS + ("dependencies",):
+    for key in (*_SCHEMA_MAPS, "dependencies"):
         if key in schema:
             subs = schema[key]
             if not isinstance(subs, dict):

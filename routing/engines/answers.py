@@ -36,7 +36,8 @@ def parse_result(role: Literal["prefill", "decode"], payload: bytes) -> dict[str
     finish = meta.get("finish_reason") if isinstance(meta, dict) else None
     if isinstance(finish, dict) and finish.get("type") == "abort":
         message = str(finish.get("message") or "request aborted")
-        status = finish.get("status_code") if isinstance(finish.get("status_code"), int) else 502
+        code = finish.get("status_code")
+        status = code if isinstance(code, int) else 502
         raise EngineRejected(role, f"{role} aborted the request: {message}",
                              status=400 if is_length_rejection(message) else status, detail=message)
     choices = parsed.get("choices") or []

@@ -16,8 +16,15 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from routing.engines.errors import (EngineBroken, EngineChanged, EngineError, EngineRejected, EngineTimeout,
-                                    EngineUnreachable, Role)
+from routing.engines.errors import (
+    EngineBroken,
+    EngineChanged,
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnreachable,
+    Role,
+)
 from routing.engines.http import Body, ConnectFailed, ConnectionPool, HttpConnection, HttpError, Response
 from routing.engines.identity import parse_identity
 from routing.engines.sse import data_events
@@ -33,7 +40,7 @@ _ERROR_BODY_LIMIT = 1 << 16
 class EngineResponse:
     """A 2xx generate response whose body is still to be read: whole, or as server-sent events."""
 
-    __slots__ = ("role", "_response")
+    __slots__ = ("_response", "role")
 
     def __init__(self, role: Role, response: Response) -> None:
         self.role = role
@@ -62,7 +69,7 @@ class EngineLink:
     """A verified connection to one worker, reserved for one generate request: connecting both halves before
     sending either means a half that cannot be reached (or has changed) costs the other nothing."""
 
-    __slots__ = ("worker", "_pool", "_connection", "_used")
+    __slots__ = ("_connection", "_pool", "_used", "worker")
 
     def __init__(self, worker: Worker, pool: ConnectionPool, connection: HttpConnection) -> None:
         self.worker = worker
@@ -218,7 +225,7 @@ def error_message(body: bytes) -> str:
     if isinstance(parsed, dict):
         inner = parsed.get("error", parsed)
         if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-            return inner["message"][:500]
+            return str(inner["message"])[:500]
         if isinstance(inner, str):
             return inner[:500]
     return str(parsed)[:500]

@@ -50,8 +50,18 @@ _COALESCE_BYTES = 64 * 1024
 class Response:
     """One response: status and headers once they are in, then the body as it arrives."""
 
-    __slots__ = ("status", "headers", "_conn", "_chunks", "_buffered", "_waiter", "_complete", "_error",
-                 "_consumed", "_on_finish")
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_complete",
+        "_conn",
+        "_consumed",
+        "_error",
+        "_on_finish",
+        "_waiter",
+        "headers",
+        "status",
+    )
 
     def __init__(self, conn: HttpConnection, on_finish: Callable[[HttpConnection, bool], None]) -> None:
         self.status = 0

@@ -146,13 +146,14 @@ def _exposed_env(states: Any) -> tuple[tuple[str, str], ...] | None:
     environment (SGLANG_EXPOSE_OWN_ENV_VARS=1); a variable the ranks disagree on reads RANKS_DISAGREE."""
     if not isinstance(states, list) or not states:
         return None
-    ranks = [state.get("env_vars") for state in states if isinstance(state, dict)]
-    if len(ranks) != len(states) or not all(isinstance(env, dict) for env in ranks):
+    ranks: list[dict[str, Any]] = [state["env_vars"] for state in states
+                                   if isinstance(state, dict) and isinstance(state.get("env_vars"), dict)]
+    if len(ranks) != len(states):
         return None
     merged = []
     for name in CHECKED_ENV:
         values = {str(env[name]) for env in ranks if env.get(name) is not None}
-        present = sum(1 for env in ranks if env.get(name) is not None)
+        present = len([env for env in ranks if env.get(name) is not None])
         if present == 0:
             continue
         merged.append((name, values.pop() if len(values) == 1 and present == len(ranks) else RANKS_DISAGREE))

@@ -7,7 +7,6 @@ from routing.policies.least_outstanding import LeastOutstanding
 from routing.prefix_index import PromptTokens
 from routing.workers import Worker
 
-
 # How much one token more in a prefill's cache than in the emptiest one's weighs against a token of prefill saved.
 # Without it, every conversation that shares a short system prompt would follow the first engine that held it, fill
 # that engine's cache and leave the others' empty (then thrash): a new conversation saves only the system prompt

@@ -52,7 +52,7 @@ class PromptTokens:
     """One request's prompt as routing sees it: its leading token ids, its exact length and its namespace. Keys are
     computed once per block size and kept, so a retry on another pair costs nothing more."""
 
-    __slots__ = ("ids", "tokens", "namespace", "max_new_tokens", "predicted_cached", "_keys", "_whole")
+    __slots__ = ("_keys", "_whole", "ids", "max_new_tokens", "namespace", "predicted_cached", "tokens")
 
     def __init__(self, ids: bytes, *, tokens: int, namespace: str, max_new_tokens: int = 0) -> None:
         """`ids`: the prompt's first token ids as `ids_to_bytes` gives them (all of them, or a window of at least

@@ -62,6 +62,7 @@ def decode_batch(payload: bytes) -> list[KVEvent]:
 
 
 def _event(raw: Any) -> KVEvent:
+    kind: Any
     if isinstance(raw, list) and raw and isinstance(raw[0], str):  # 0.5.8: array-like, tag first
         kind, fields = raw[0], raw[1:]
         if kind == "BlockStored" and len(fields) >= 4:

@@ -64,7 +64,7 @@ class _Generations:
     young half, and when it is full the old half is dropped and the young one becomes old. About LRU, at the cost
     of two set lookups, with no per-key bookkeeping (a key costs one set slot)."""
 
-    __slots__ = ("_young", "_old", "_half")
+    __slots__ = ("_half", "_old", "_young")
 
     def __init__(self, capacity: int) -> None:
         self._half = max(1, capacity // 2)
@@ -104,7 +104,7 @@ class HeldBlocks:
     tokens after that block (a page smaller than a block ends mid-block). Reference counts, because equal prompts
     in two namespaces are two radix nodes with one published hash."""
 
-    __slots__ = ("block_tokens", "_max_pages", "_pages", "_blocks", "_evicted", "unplaced", "overflows")
+    __slots__ = ("_blocks", "_evicted", "_max_pages", "_pages", "block_tokens", "overflows", "unplaced")
 
     def __init__(self, block_tokens: int, evicted_capacity: int, *, max_pages: int) -> None:
         """`max_pages`: more pages than the engine's pool can hold means events were lost (or the engine is

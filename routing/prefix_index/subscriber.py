@@ -187,7 +187,7 @@ class KvEventSubscriber:
         if expected is None:
             rank.complete = seq == 0
             if seq > 0:  # subscribed late: what came before, if the publisher still has it
-                rank.complete = await self._replay(rank, 0, seq)
+                rank.complete = await self._replay(rank, 0, seq, history=True)
         elif seq > expected:
             filled = await self._replay(rank, expected, seq)
             if filled:
@@ -198,7 +198,9 @@ class KvEventSubscriber:
         await self._apply(rank, seq, frames[2])
         self._update_mode()
 
-    async def _apply(self, rank: _Rank, seq: int, payload: bytes) -> None:
+    async def _apply(self, rank: _Rank, seq: int, payload: bytes, *, history: bool = False) -> None:
+        """One batch into the rank's view. `history`: a batch from before this subscription's first live one, older
+        than anything kvgate sent since (a cache cleared back then says nothing of those prompts)."""
         rank.next_seq = seq + 1
         rank.reconnected = False
         self.stats.batches += 1
@@ -216,7 +218,7 @@ class KvEventSubscriber:
             elif isinstance(event, Removed):
                 view.remove(event.block_hashes)
             elif isinstance(event, Cleared):
-                self._engine_emptied()
+                self._engine_emptied(forget_sent=not history)
                 rank.complete = True
             if count % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)
@@ -224,13 +226,14 @@ class KvEventSubscriber:
             rank.complete = False
             log.warning("KV events of %s: more pages stored than the pool holds; view dropped", self.name)
 
-    def _engine_emptied(self) -> None:
+    def _engine_emptied(self, *, forget_sent: bool = True) -> None:
         for rank in self._ranks:  # a flush or a restart empties every rank's cache
             rank.view.clear()
-        self.index.forget_sent()
+        if forget_sent:
+            self.index.forget_sent()
 
     # ── replay ──────────────────────────────────────────────────────────────────────────────────────────────
-    async def _replay(self, rank: _Rank, start: int, stop: int | None) -> bool:
+    async def _replay(self, rank: _Rank, start: int, stop: int | None, *, history: bool = False) -> bool:
         """Apply the buffered batches from `start` (up to `stop`, exclusive, when given). True when every one of
         them arrived in order; False when the publisher no longer holds them, has no replay socket, or is silent."""
         replay = rank.endpoint.replay_endpoint
@@ -261,7 +264,7 @@ class KvEventSubscriber:
                     continue
                 if seq > expected:
                     complete = False  # the buffer no longer holds what came between
-                await self._apply(rank, seq, frames[-1])
+                await self._apply(rank, seq, frames[-1], history=history)
                 expected = seq + 1
             rank.answering = True
             return complete and (stop is None or expected == stop)
@@ -278,7 +281,7 @@ class KvEventSubscriber:
         while True:
             async with rank.lock:
                 first = rank.next_seq is None
-                ok = await self._replay(rank, rank.next_seq or 0, None)
+                ok = await self._replay(rank, rank.next_seq or 0, None, history=first)
                 if first and rank.answering:
                     rank.complete = ok
                 elif not ok and rank.answering:

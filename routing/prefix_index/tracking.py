@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Mapping
+from functools import partial
 from urllib.parse import urlsplit
 
 from routing.prefix_index.index import CacheIndex, CacheMode
@@ -62,7 +63,7 @@ class CacheTracking:
         if not endpoints:
             return
         subscriber = KvEventSubscriber(worker.url, index, endpoints, liveness_s=self._liveness_s,
-                                       on_mode=lambda mode, w=worker: self._mode_changed(w, mode))
+                                       on_mode=partial(self._mode_changed, worker))
         try:
             subscriber.start()
         except Exception as exc:  # a bad endpoint must not keep the worker out of rotation: it routes approximately

@@ -40,14 +40,18 @@ class RedisTarget:
 
 
 def connect(target: RedisTarget) -> Redis:
-    options = dict(socket_timeout=target.timeout_s, socket_connect_timeout=target.timeout_s,
-                   retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    timeout = target.timeout_s
     if target.sentinels:
         assert target.service is not None
+        options = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
+                       health_check_interval=0)
         sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=dict(options), **options)
-        return sentinel.master_for(target.service, **options)
+        master: Redis = sentinel.master_for(target.service, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        return master
     assert target.url is not None
-    return Redis.from_url(target.url, **options)
+    return Redis.from_url(target.url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                          retry=Retry(NoBackoff(), 0), health_check_interval=0)
 
 
 @dataclass(slots=True)
@@ -140,7 +144,7 @@ class RedisState:
         key = f"{PREFIX}secret:{name}"
         await self._redis.set(key, secrets.token_hex(32), nx=True)
         value = await self._redis.get(key)
-        assert value is not None
+        assert isinstance(value, bytes)  # the client does not decode responses
         return bytes.fromhex(value.decode())
 
     async def wait_for_news(self, timeout_s: float) -> None:

@@ -188,6 +188,21 @@ async def _test_a_late_subscriber_replays_history_and_a_publisher_restart_emptie
         await restarted.close()
 
 
+def test_a_cache_cleared_in_replayed_history_keeps_what_kvgate_sent_since_subscribing() -> None:
+    asyncio.run(_in_wired(_test_a_cache_cleared_in_replayed_history_keeps_what_kvgate_sent_since_subscribing))
+
+
+async def _test_a_cache_cleared_in_replayed_history_keeps_what_kvgate_sent_since_subscribing(wired: Wired) -> None:
+    publisher, subscriber, index, _ = wired
+    await publisher.publish([["AllBlocksCleared"]], send=False)  # the engine's start, before kvgate listened
+    index.record(prompt(A))  # sent while the history is not yet replayed (a slow catch-up under load)
+    await publisher.publish([])  # the first live batch: history [0, 1) is replayed before it
+    await until(lambda: subscriber.stats.batches == 2 and subscriber.mode is CacheMode.EXACT)
+    assert index.match(prompt(A)) == 288  # the old clear did not wipe a prompt sent after it
+    await publisher.publish([["AllBlocksCleared"]])  # a live clear (a flush now) does
+    await until(lambda: index.match(prompt(A)) == 0)
+
+
 def test_a_killed_publisher_falls_back_to_approximate_within_one_interval() -> None:
     asyncio.run(_in_wired(_test_a_killed_publisher_falls_back_to_approximate_within_one_interval))
 

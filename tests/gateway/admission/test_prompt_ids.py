@@ -9,7 +9,7 @@ from unittest import mock
 from gateway.admission.counting import TokenCounter
 from gateway.admission.prompt_ids import PromptIds
 from gateway.admission.tokenizer import ModelTokenizer
-from tests.gateway.test_counting_segments import render_chats
+from tests.gateway.admission.test_counting_segments import render_chats
 
 
 def as_ids(raw: bytes) -> list[int]:
