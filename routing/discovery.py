@@ -91,10 +91,13 @@ REFUSED_RETRY_S = 30.0
 
 
 class Discovery:
-    def __init__(self, membership: Membership, sources: list[DnsSource], resolver: dns.asyncresolver.Resolver) -> None:
+    """Workers named by DNS: resolved once before startup, then followed on each source's interval. With no source
+    it does nothing (and never reads the system's resolver configuration)."""
+
+    def __init__(self, membership: Membership, sources: list[DnsSource], nameservers: list[str]) -> None:
         self._membership = membership
         self._sources = sources
-        self._resolver = resolver
+        self._resolver = make_resolver(nameservers) if sources else dns.asyncresolver.Resolver(configure=False)
         self._tasks: list[asyncio.Task[None]] = []
         # per source: spec → when it may be tried again (monotonic seconds)
         self._refused: dict[DnsSource, dict[WorkerSpec, float]] = {source: {} for source in sources}

@@ -10,10 +10,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from gateway.admission.chat_template import ChatTemplate  # noqa: E402  (after the environment above)
-from gateway.admission.tokenizer import ModelTokenizer  # noqa: E402
-from loadtests.engine.harness import EnginePair, start_pair  # noqa: E402
-from tests.gateway_harness import GLM5_TEMPLATE, GLM5_TOKENIZER  # noqa: E402
+from gateway.admission.chat_template import ChatTemplate
+from gateway.admission.tokenizer import ModelTokenizer
+from loadtests.engine.harness import EnginePair, start_pair
+from tests.gateway_harness import GLM5_TEMPLATE, GLM5_TOKENIZER
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

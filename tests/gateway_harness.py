@@ -16,10 +16,10 @@ import uvicorn
 import uvloop
 import yaml
 
-from gateway.http.app import create_app
 from gateway.config import load_config
-from gateway.serving.gateway import Gateway
+from gateway.http.app import create_app
 from gateway.http.server import uvicorn_config
+from gateway.serving.gateway import Gateway
 from gateway.telemetry.logs import JsonLines
 from loadtests.engine.harness import RunningEngine, free_port, start_engine, start_pair
 

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from pydantic import ValidationError
-from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.config import ConfigError, DecodeWorkerConfig, PrefillWorkerConfig
+from gateway.errors import GatewayError
+from gateway.http.intake import error_response
 from gateway.serving.reload import reload
 from routing.membership import Member, WorkerExists, WorkerRefused
 from routing.state import StateUnavailable
@@ -29,15 +30,12 @@ if TYPE_CHECKING:
     from gateway.serving.gateway import Gateway
 
 
-_STATE_FAILURES = (RedisError, OSError, TimeoutError, StateUnavailable)
-
-
 def _answer(status: int, payload: Any) -> Response:
     return Response(orjson.dumps(payload), status_code=status, media_type="application/json")  # + x-request-id
 
 
 def _error(status: int, message: str, code: str) -> Response:
-    return _answer(status, {"error": {"message": message, "code": code}})
+    return error_response(GatewayError(status, message, code=code))
 
 
 class AdminApi:
@@ -130,7 +128,7 @@ class AdminApi:
         fleet = self.gateway.fleet
         try:
             await fleet.state.set_disabled(name, disabled, cancel_inflight=cancel)
-        except _STATE_FAILURES as exc:
+        except StateUnavailable as exc:
             return _error(503, f"the shared state did not take the change: {exc}", "state_unavailable")
         await fleet.sync_now()  # this replica follows at once; the others on their next sync
         return _answer(200, {"model": name, "disabled": disabled, "cancel_inflight": cancel})
@@ -145,7 +143,7 @@ class AdminApi:
             if not owners and not local:  # a request just started is registered on its replica's next sync
                 await asyncio.sleep(min(1.0, 2 * fleet.config.sync_interval_s))
                 owners = [r for r in await fleet.state.request_abort(request_id) if r != fleet.replica]
-        except _STATE_FAILURES as exc:
+        except StateUnavailable as exc:
             if local:
                 return _answer(200, {"request_id": request_id, "aborted_here": local, "replicas": []})
             return _error(503, f"the shared state could not be asked: {exc}", "state_unavailable")

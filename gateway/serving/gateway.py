@@ -21,7 +21,7 @@ from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.observe import observe_exchange, observe_request
 from gateway.telemetry.record import RequestRecord
 from gateway.telemetry.tracing import Tracing
-from routing.discovery import Discovery, make_resolver
+from routing.discovery import Discovery
 from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
 from routing.loads import LoadPoller
@@ -69,9 +69,7 @@ class Gateway:
             self.engines, [(m.spec, m.pool, health_spec(config.health_of(m.config))) for m in self.models.values()],
             self._follow_judgement)
         self.membership = Membership({name: model.pool for name, model in self.models.items()}, self.monitor)
-        sources = dns_sources(config)
-        self.discovery = Discovery(self.membership, sources, make_resolver(config.discovery.nameservers)) \
-            if sources else None  # None: no model names a DNS entry
+        self.discovery = Discovery(self.membership, dns_sources(config), config.discovery.nameservers)
         for model in self.models.values():
             if model.config.routing.prefill_policy == "cache_aware":
                 configured = {url: EventsEndpoint(e.endpoint, e.replay_endpoint, e.topic)
@@ -110,12 +108,11 @@ class Gateway:
         return self.provenance_checker.windows
 
     async def start(self) -> None:
-        if self.discovery is not None:  # workers DNS names now, in rotation once the gate passes them
-            for name, spec in await self.discovery.initial():
-                pool = self.models[name].pool
-                worker = pool.new_worker(spec)
-                pool.add(worker)
-                self.monitor.watch(name, worker)
+        for name, spec in await self.discovery.initial():  # workers DNS names now, in rotation once gated
+            pool = self.models[name].pool
+            worker = pool.new_worker(spec)
+            pool.add(worker)
+            self.monitor.watch(name, worker)
         for model in self.models.values():
             if model.cache_tracking is not None:  # every prefill gets a cache index, and a KV-event subscriber
                 model.pool.follow(model.cache_tracking.attach, model.cache_tracking.detach)
@@ -129,8 +126,7 @@ class Gateway:
         self.loop_lag.start()
         for model in self.models.values():
             await self.poll_loads(model)
-        if self.discovery is not None:
-            self.discovery.start()
+        self.discovery.start()
         await self.fleet.start(
             lambda: fleet_report(self.models.values(), self.inflight, shared=self.fleet.state.shared),
             lambda view: follow_fleet(view, self.models.values(), self.exchanges, self.inflight, self.metrics))
@@ -163,8 +159,7 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.loop_lag.stop()
-        if self.discovery is not None:
-            await self.discovery.stop()
+        await self.discovery.stop()
         for model in self.models.values():
             if model.cache_tracking is not None:
                 await model.cache_tracking.stop()

@@ -109,7 +109,7 @@ class ResilientState:
         return await self._call("sync", remembered, local)
 
     async def set_disabled(self, model: str, disabled: bool, *, cancel_inflight: bool = False) -> None:
-        await self.primary.set_disabled(model, disabled, cancel_inflight=cancel_inflight)  # an operator sees errors
+        await _for_operator(self.primary.set_disabled(model, disabled, cancel_inflight=cancel_inflight))
 
     async def register_request(self, request_id: str) -> None:
         await self.primary.register_request(request_id)  # batched into the next sync: never fails here
@@ -118,7 +118,7 @@ class ResilientState:
         await self.primary.unregister_request(request_id)
 
     async def request_abort(self, request_id: str) -> list[str]:
-        return await self.primary.request_abort(request_id)  # an operator sees errors
+        return await _for_operator(self.primary.request_abort(request_id))
 
     async def api_key_tenant(self, key_hash: str) -> str | None:
         async def unknown() -> str | None:
@@ -138,6 +138,14 @@ class ResilientState:
 
     async def close(self) -> None:
         await self.primary.close()
+
+
+async def _for_operator(call: Awaitable[T]) -> T:
+    """An operator's own change or question: never answered from a fallback, its failure told in Redis's words."""
+    try:
+        return await call
+    except _FAILURES as exc:
+        raise StateUnavailable(f"the shared state (Redis) did not answer: {exc or type(exc).__name__}") from exc
 
 
 async def _nothing() -> None:

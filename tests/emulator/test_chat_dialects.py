@@ -9,7 +9,8 @@ tools and the thinking variables as JSON; its decode echoes the prompt, so the r
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 

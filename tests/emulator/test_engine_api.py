@@ -7,8 +7,9 @@ import gzip
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import aiohttp
 import orjson

@@ -6,7 +6,8 @@ role/content/finish chunks from msgspec's `StreamChunk`) and compared byte for b
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import orjson

@@ -17,8 +17,7 @@ from gateway.admission.chat_template import ChatTemplate
 from gateway.admission.tokenizer import ModelTokenizer
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import inject, wait_for
-from tests.gateway_harness import ROOT, RunningGateway, model_entry, \
-    running_gateway, write_config
+from tests.gateway_harness import ROOT, RunningGateway, model_entry, running_gateway, write_config
 
 # key → "file::test" that fails when the key is ignored.
 KEY_TESTS = {

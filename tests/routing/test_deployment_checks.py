@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config import load_config
 from gateway.commands.preflight import collect, report, run_preflight
+from gateway.config import load_config
 from loadtests.engine.harness import EnginePair, start_pair
 from routing.deployment_checks import CheckPolicy, check_worker
 from routing.engines.identity import EngineIdentity, RenderingSettings, TransferSettings, parse_identity

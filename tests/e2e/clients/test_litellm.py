@@ -14,7 +14,6 @@ import pytest
 from loadtests.engine.harness import EnginePair
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
 
-
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 

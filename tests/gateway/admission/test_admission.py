@@ -3,10 +3,10 @@ the promise that a refused prompt never reaches an engine."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import gzip
 import socket
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -15,8 +15,14 @@ from gateway.admission.chat_template import ChatTemplate
 from gateway.admission.tokenizer import ModelTokenizer
 from loadtests.engine.harness import EnginePair
 from tests.engine_records import generation_records
-from tests.gateway_harness import GLM5_TEMPLATE, GLM5_TOKENIZER, RunningGateway, model_entry, running_gateway, \
-    write_config
+from tests.gateway_harness import (
+    GLM5_TEMPLATE,
+    GLM5_TOKENIZER,
+    RunningGateway,
+    model_entry,
+    running_gateway,
+    write_config,
+)
 
 LIMIT = 3000
 

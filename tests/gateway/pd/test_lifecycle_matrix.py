@@ -21,9 +21,15 @@ from gateway.pd.events import ClientGone, Done, Failure, RelayEvent
 from gateway.pd.exchange import PDExchange
 from gateway.pd.plan import ExchangePlan, Release
 from gateway.pd.registry import ExchangeRegistry
-from routing.engines.errors import (EngineBroken, EngineChanged, EngineError, EngineRejected, EngineTimeout,
-                                    EngineUnreachable)
 from routing.breaker import BreakerSpec, BreakerState
+from routing.engines.errors import (
+    EngineBroken,
+    EngineChanged,
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnreachable,
+)
 from routing.engines.identity import EngineIdentity, RenderingSettings
 from routing.pools import Lease, WorkerPair
 from routing.workers import Worker, WorkerSpec

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -76,9 +77,9 @@ def test_without_tracing_a_well_formed_client_context_passes_through_and_a_malfo
 
 
 class _Receiver(BaseHTTPRequestHandler):
-    received: list[tuple[str, bytes]] = []
+    received: ClassVar[list[tuple[str, bytes]]] = []  # shared by every handler instance
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("content-length", 0)))
         self.received.append((self.path, body))
         self.send_response(200)

@@ -11,9 +11,9 @@ import pytest
 
 from routing.engine_load import EngineLoad
 from routing.engines.identity import EngineIdentity
+from routing.policies import RouteKey
 from routing.policies.cache_aware import CacheAware
 from routing.policies.kv_headroom import KvHeadroom
-from routing.policies import RouteKey
 from routing.pools import Lease, WorkerPair
 from routing.prefix_index import CacheIndex, CacheMode, PromptTokens
 from routing.prefix_index.blocks import block_tokens_for, ids_to_bytes
