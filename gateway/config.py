@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
-from gateway.admission.chat import NOT_TEMPLATE_VARIABLES
+from gateway.template_kwargs import NOT_TEMPLATE_VARIABLES
 
 
 class ConfigError(Exception):

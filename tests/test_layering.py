@@ -150,6 +150,17 @@ def test_no_import_cycle_inside_a_package() -> None:
         assert not import_cycles(inside), f"{package}: modules that import each other, directly or around a circle"
 
 
+def test_no_import_cycle_between_subpackages() -> None:
+    """Folders are layers: http → serving → pd, admission, tenancy, integrity, telemetry → config and errors (and
+    routing's engines, policies, prefix_index, state under its workers and pools), never back up."""
+    for package in ("gateway", "routing"):
+        graph: dict[str, set[str]] = defaultdict(set)
+        for module, deps in _module_level_imports(package).items():
+            unit = ".".join(module.split(".")[:2])
+            graph[unit] |= {".".join(d.split(".")[:2]) for d in deps if d.split(".")[0] == package} - {unit}
+        assert not import_cycles(graph), f"{package}: subpackages that import each other"
+
+
 def test_the_cycle_check_finds_a_planted_cycle() -> None:
     graph = {"gateway.a": {"gateway.b"}, "gateway.b": {"gateway.c"}, "gateway.c": {"gateway.a"}, "gateway.d": set()}
     assert import_cycles(graph) == [["gateway.a", "gateway.b", "gateway.c"]]

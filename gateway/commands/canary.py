@@ -1,5 +1,5 @@
 """`kvgate canary --config FILE`: the gateway started in-process (the KV-pool gate runs as at startup), then every
-model probed through its own routes, admission and dispatch (gateway.integrity.canary). Exit 1 on any leak or any
+model probed through its own routes, admission and dispatch (gateway.serving.canary). Exit 1 on any leak or any
 over-limit prompt admitted, 0 otherwise."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import httpx
 
 from gateway.config import GatewayConfig
 from gateway.http.app import create_app
-from gateway.integrity.canary import CanaryReport, probe_model
+from gateway.serving.canary import CanaryReport, probe_model
 from gateway.serving.gateway import GateRefused, Gateway
 
 

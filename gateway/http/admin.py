@@ -73,7 +73,6 @@ class AdminApi:
 
     async def add_worker(self, request: Request) -> Response:
         membership = self.gateway.membership
-        assert membership is not None
         try:
             body = orjson.loads(await request.body())
             model, _role, spec = _worker_spec(body)

@@ -20,7 +20,7 @@ from gateway.http.admin import AdminApi
 from gateway.http.generate import GenerateEndpoint
 from gateway.http.intake import Refused, error_response, identify
 from gateway.http.tokenize import TokenizeApi
-from gateway.integrity.canary import CanaryProber
+from gateway.serving.canary import CanaryProber
 from gateway.serving.gateway import GateRefused, Gateway
 from gateway.serving.models import ServedModel
 
@@ -119,8 +119,7 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, *,
             return answer
         served = gateway.models.get(request.path_params["model_id"])
         if served is None:
-            error = reject_unknown_model(request.path_params["model_id"], list(gateway.models))
-            return Response(error.json(), status_code=error.status, media_type="application/json")
+            return error_response(reject_unknown_model(request.path_params["model_id"], list(gateway.models)))
         return _json(entry(served))
 
     async def healthz(_: Request) -> Response:

@@ -66,7 +66,7 @@ class TokenizeApi:
     async def _answer(self, kind: Kind, body: RequestBody, tenant: str) -> bytes:
         raw = body.in_memory
         if raw is None:  # large: parsed, tokenized and serialised in an admission worker process
-            assert self.gateway.admission_workers is not None and body.path is not None
+            assert body.path is not None  # a body is in memory or spooled to its file
             limits = {m.name: m.admission.limits for m in self.gateway.models.values()}
             return await self.gateway.admission_workers.tokenize(kind, body.path, tenant=tenant, limits=limits)
         # The same lookup as admission's; a model the gate refused still has its tokenizer, so it answers here too.

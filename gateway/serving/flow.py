@@ -8,6 +8,7 @@ import time
 from collections.abc import Collection
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.admission.admit import AdmittedRequest
 from gateway.admission.offload import AdmissionWorkers, ModelState
@@ -15,7 +16,6 @@ from gateway.admission.pipeline import admit_body, resolve_model
 from gateway.admission.requests import Route
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, aborted_by_operator, model_unavailable
-from gateway.http.body import RequestBody
 from gateway.integrity.provenance import ProvenanceChecker
 from gateway.pd.exchange import PDExchange
 from gateway.pd.plan import ExchangePlan, Retries
@@ -33,6 +33,15 @@ from routing.retry_budget import RetryBudget
 from routing.workers import Worker
 
 
+class ReceivedBody(Protocol):
+    """A client's body as the HTTP edge received it: in memory when small, else spooled to the file at `path`."""
+
+    @property
+    def in_memory(self) -> bytes | None: ...
+    @property
+    def path(self) -> str | None: ...
+
+
 @dataclass(slots=True)
 class Flow:
     """What admission and dispatch need of the running gateway."""
@@ -48,7 +57,7 @@ class Flow:
     def model_for(self, name: str | None) -> ServedModel:
         return resolve_model(name, self.models, lambda model: model.refusal)
 
-    async def admit(self, route: Route, body: RequestBody, *, tenant: str) -> tuple[ServedModel, AdmittedRequest]:
+    async def admit(self, route: Route, body: ReceivedBody, *, tenant: str) -> tuple[ServedModel, AdmittedRequest]:
         """Count and check a body: on the event loop when it is small, in an admission worker when it is large."""
         raw = body.in_memory
         if raw is not None:
@@ -60,7 +69,7 @@ class Flow:
             admitted = await self.admission_workers.admit(route, body.path, tenant=tenant, state=state)
         return self.models[admitted.model], admitted
 
-    async def run(self, route: Route, body: RequestBody, tenant: Tenant, limiter: TenantLimiter, salts: CacheSalts,
+    async def run(self, route: Route, body: ReceivedBody, tenant: Tenant, limiter: TenantLimiter, salts: CacheSalts,
                   headers: list[tuple[bytes, bytes]], record: RequestRecord, *, sample: bool) -> PDExchange:
         """Admit the request and dispatch it; raises the GatewayError to answer instead (nothing was sent)."""
         started = time.perf_counter()

@@ -21,6 +21,7 @@ from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.observe import observe_exchange, observe_request
 from gateway.telemetry.record import RequestRecord
 from gateway.telemetry.tracing import Tracing
+from routing.cache_tracking import CacheTracking
 from routing.discovery import Discovery
 from routing.engines.client import EngineClient
 from routing.gate import ModelJudgement
@@ -28,7 +29,6 @@ from routing.loads import LoadPoller
 from routing.membership import Membership
 from routing.monitor import WorkerMonitor
 from routing.prefix_index.subscriber import EventsEndpoint
-from routing.prefix_index.tracking import CacheTracking
 from routing.retry_budget import RetryBudget
 
 log = logging.getLogger("kvgate")

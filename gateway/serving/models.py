@@ -8,20 +8,21 @@ from collections import Counter
 from dataclasses import dataclass
 
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
-from gateway.admission.chat import NOT_TEMPLATE_VARIABLES, ChatSettings, with_engine_defaults
+from gateway.admission.chat import ChatSettings, with_engine_defaults
 from gateway.admission.dialects import Dialect, dialect_for
 from gateway.admission.pipeline import build_admission
 from gateway.config import GatewayConfig, HealthConfig, ModelConfig, RoutingConfig
 from gateway.integrity.ttft import TTFTPlausibility
 from gateway.telemetry.metrics import GatewayMetrics
+from gateway.template_kwargs import NOT_TEMPLATE_VARIABLES
 from routing.breaker import BreakerSpec
+from routing.cache_tracking import CacheTracking
 from routing.deployment_checks import CheckPolicy
 from routing.discovery import DnsSource
 from routing.gate import ModelJudgement, safe_limit
 from routing.policies import NO_KEY, Policy, RouteKey, make_policy
 from routing.pools import ModelPool, pool_for
 from routing.prefix_index import PromptTokens
-from routing.prefix_index.tracking import CacheTracking
 from routing.specs import HealthSpec, ModelSpec, PoolLimits
 from routing.stable_hash import stable_hash
 from routing.workers import WorkerSpec
