@@ -5,6 +5,7 @@ A bad file fails at startup with `ConfigError`, whose message names the offendin
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -422,7 +423,8 @@ class GatewayConfig(_Strict):
     max_headers: int = Field(100, gt=0)
     max_connections: int = Field(1024, gt=0, description="open client connections; beyond it new requests get 503")
     token_cache_bytes: int = Field(64 * 2**20, ge=0)
-    admission_workers: int = Field(1, ge=1, description="processes that admit large bodies off the event loop")
+    admission_workers: int | None = Field(None, ge=1, description="processes that admit large bodies off the event "
+                                          "loop, shared fairly by tenant (default: the cores this process may use)")
     models: list[ModelConfig] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -441,6 +443,12 @@ class GatewayConfig(_Strict):
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def admission_processes(self) -> int:
+        """`admission_workers`, or one per core this process may run on (with two or more, a tenant flooding them
+        with large bodies always leaves one to the others)."""
+        return self.admission_workers or max(1, len(os.sched_getaffinity(0)))
 
     def health_of(self, model: ModelConfig) -> HealthConfig:
         return model.health or self.health

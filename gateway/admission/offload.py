@@ -8,8 +8,8 @@ admitted request comes back. Small bodies, whose every step is bounded to a few 
 they are cheapest.
 
 Each worker process builds every model's tokenizer, template and token-count cache once (lazily, on the first large
-body); a tenant's bodies go to the same worker, so its count cache stays warm. The worker only counts and checks: the
-gateway process still owns model availability, limits (sent with each call) and dispatch.
+body); a tenant's bodies go to the same worker when it is free, so its count cache stays warm. The worker only
+counts and checks: the gateway process still owns model availability, limits (sent with each call) and dispatch.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
 from gateway.admission.chat import ChatSettings, with_engine_defaults
 from gateway.admission.dialects import Dialect
+from gateway.admission.fair_share import FairShare
 from gateway.admission.pipeline import admit_body, build_admission, resolve_model
 from gateway.admission.requests import Route
 from gateway.admission.tokenize import Kind, answer
@@ -48,16 +49,14 @@ class ModelState:
 
 
 class AdmissionWorkers:
-    """`workers` processes, each admitting one large body at a time; a tenant always uses the same one. A worker
-    holds at most `MAX_WAITING` bodies in line (each spooled on disk); beyond that new ones get 503 at once."""
-
-    MAX_WAITING = 8
+    """`workers` processes, each admitting one large body at a time, shared fairly between tenants
+    (`gateway.admission.fair_share`): a tenant flooding them with large bodies waits, and is refused, by itself."""
 
     def __init__(self, models: list[ModelConfig], *, workers: int, cache_bytes: int) -> None:
         self._models = models
         self._cache_bytes = cache_bytes
         self._executors: list[ProcessPoolExecutor | None] = [None] * workers
-        self._waiting = [0] * workers
+        self._share = FairShare(workers)
 
     async def admit(self, route: Route, body_path: str, *, tenant: str,
                     state: dict[str, ModelState]) -> AdmittedRequest:
@@ -68,23 +67,18 @@ class AdmissionWorkers:
         return await self._run(tenant, _tokenize, kind, body_path, limits)
 
     async def _run(self, tenant: str, function: Callable[..., T], *args: Any) -> T:
-        slot = int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=4).digest(), "big") % len(self._executors)
-        if self._waiting[slot] >= self.MAX_WAITING:
-            raise GatewayError(503, "too many large requests are waiting to be counted; retry shortly",
-                               code="admission_busy")
-        executor = self._executor(slot)
-        self._waiting[slot] += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(executor, function, *args)
-        except BrokenExecutor as exc:
-            # The worker died (killed, out of memory): a fresh one serves the next large body.
-            log.error("admission worker %d died (%s); restarting it", slot, exc)
-            self._executors[slot] = None
-            executor.shutdown(wait=False, cancel_futures=True)
-            raise GatewayError(503, "the admission worker for large requests failed; retry",
-                               code="admission_unavailable") from exc
-        finally:
-            self._waiting[slot] -= 1
+        home = int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=4).digest(), "big") % len(self._executors)
+        async with self._share.slot(tenant, home) as slot:
+            executor = self._executor(slot)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(executor, function, *args)
+            except BrokenExecutor as exc:
+                # The worker died (killed, out of memory): a fresh one serves the next large body.
+                log.error("admission worker %d died (%s); restarting it", slot, exc)
+                self._executors[slot] = None
+                executor.shutdown(wait=False, cancel_futures=True)
+                raise GatewayError(503, "the admission worker for large requests failed; retry",
+                                   code="admission_unavailable") from exc
 
     def close(self) -> None:
         for executor in self._executors:

@@ -51,7 +51,7 @@ class Gateway:
         with ThreadPoolExecutor(max(1, len(config.models)), thread_name_prefix="kvgate-load") as loading:
             built = list(loading.map(lambda m: build_model(m, cache_bytes=config.token_cache_bytes), config.models))
         self.models: dict[str, ServedModel] = {model.name: model for model in built}
-        self.admission_workers = AdmissionWorkers(config.models, workers=config.admission_workers,
+        self.admission_workers = AdmissionWorkers(config.models, workers=config.admission_processes,
                                                   cache_bytes=config.token_cache_bytes)
         timeouts = config.timeouts
         # A new connection's identity check may take as long as the slowest model's health read: an engine healthy
