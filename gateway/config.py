@@ -39,7 +39,8 @@ class TimeoutsConfig(_Strict):
     idle_s: float = Field(60.0, gt=0, description="longest silence between two decode chunks")
     total_s: float = Field(1800.0, gt=0, description="whole request, end to end")
     abort_s: float = Field(5.0, gt=0, description="one /abort_request call")
-    client_body_s: float = Field(30.0, gt=0, description="a client's request head, then its whole body")
+    client_head_s: float = Field(10.0, gt=0, description="a connection's request head (idle sockets are closed)")
+    client_body_s: float = Field(30.0, gt=0, description="a client's whole body, once its head is in")
 
 
 class KvEventsConfig(_Strict):
@@ -422,6 +423,9 @@ class GatewayConfig(_Strict):
     max_header_bytes: int = Field(64 * 1024, gt=0, description="request line plus all headers")
     max_headers: int = Field(100, gt=0)
     max_connections: int = Field(1024, gt=0, description="open client connections; beyond it new requests get 503")
+    max_connections_per_client: int | None = Field(
+        None, gt=0, description="open connections one client address, or one API key, may hold (default: a quarter "
+                                "of max_connections; behind a proxy that hides client addresses, max_connections)")
     token_cache_bytes: int = Field(64 * 2**20, ge=0)
     admission_workers: int | None = Field(None, ge=1, description="processes that admit large bodies off the event "
                                           "loop, shared fairly by tenant (default: the cores this process may use)")
@@ -443,6 +447,10 @@ class GatewayConfig(_Strict):
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def connections_per_client(self) -> int:
+        return self.max_connections_per_client or max(1, self.max_connections // 4)
 
     @property
     def admission_processes(self) -> int:

@@ -3,18 +3,22 @@
 uvicorn caps concurrent connections (`limit_concurrency`, beyond it 503) but not the size, number or arrival time of
 request headers; `GuardedHttpToolsProtocol` adds those, answering 431 before a header flood is buffered and 408 to a
 connection that opens and never finishes its request head (else a few idle sockets would hold every connection slot).
+No one client takes the connection cap for itself either: each client address, and each API key once a request head
+names one, holds at most its share; a connection beyond it is answered 503 at once and closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import socket
 import sys
 import traceback
+from collections import Counter
 from types import FrameType
-from typing import Any
+from typing import Any, ClassVar
 
 import httptools
 import uvicorn
@@ -34,8 +38,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     max_header_bytes = 64 * 1024
     max_headers = 100
-    head_timeout_s = 30.0
+    head_timeout_s = 10.0
     max_connections = 1024
+    client_share = 256  # connections one client address (or one API key) may hold
+    # Per server (uvicorn_config makes a subclass per configuration): open connections per address and per key.
+    by_address: ClassVar[Counter[str]] = Counter()
+    by_key: ClassVar[Counter[bytes]] = Counter()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -45,15 +53,33 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_too_large = False
         self._over_capacity = False
         self._head_timer: asyncio.TimerHandle | None = None
+        self._address: str | None = None
+        self._key: bytes | None = None  # a digest of the API key its last request named
+        self._request_key: bytes | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        address = self.client[0] if self.client else None
+        if address is not None:
+            self._address = address
+            self.by_address[address] += 1
+            if self.by_address[address] > self.client_share:  # one client is not the whole internet
+                self._answer(503, "Service Unavailable", "too_many_connections",
+                             f"this client holds {self.client_share} open connections, its share of the gateway's",
+                             retry_after_s=1)
+                return
         # Judged when the connection opens: in a burst, the connections that came first are served.
         self._over_capacity = len(self.connections) > self.max_connections
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        if self._address is not None:
+            _forget(self.by_address, self._address)
+            self._address = None
+        if self._key is not None:
+            _forget(self.by_key, self._key)
+            self._key = None
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
@@ -62,6 +88,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._in_head = True
         self._head_too_large = False
+        self._request_key = None
         if self._head_timer is None:
             self._arm_head_timer()
 
@@ -70,11 +97,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._header_count > self.max_headers:
             self._head_too_large = True
             raise ValueError("too many headers")
+        if len(name) == 13 and name.lower() == b"authorization":  # a digest: the key itself is not kept here
+            self._request_key = hashlib.blake2b(value.strip(), digest_size=16).digest()
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm_head_timer()
+        if self._request_key != self._key:  # the connection now counts for the key its request names
+            if self._key is not None:
+                _forget(self.by_key, self._key)
+            self._key = self._request_key
+            if self._key is not None:
+                self.by_key[self._key] += 1
+        if self._key is not None and self.by_key[self._key] > self.client_share:
+            self._over_capacity = True
+            raise ConnectionRefusedError("over the key's share")  # stops the parser: answered in _feed
         if self._over_capacity or len(self.tasks) >= self.max_connections:
             self._over_capacity = True
             raise ConnectionRefusedError("over max_connections")  # stops the parser: answered in _feed
@@ -123,7 +161,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             else:
                 self._unsupported_upgrade_warning()
         except httptools.HttpParserError:
-            if self._over_capacity:
+            if self._over_capacity and self._key is not None and self.by_key[self._key] > self.client_share:
+                self._answer(503, "Service Unavailable", "too_many_connections",
+                             f"this API key holds {self.client_share} open connections, its share of the gateway's",
+                             retry_after_s=1)
+            elif self._over_capacity:
                 self._answer(503, "Service Unavailable", "overloaded",
                              f"the gateway is at its limit of {self.max_connections} open connections",
                              retry_after_s=1)
@@ -148,10 +190,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
+def _forget(counts: Counter[Any], key: Any) -> None:
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]
+
+
 def uvicorn_config(app: ASGIApp, config: GatewayConfig, *, log_level: str, loop: str = "uvloop") -> uvicorn.Config:
     protocol = type("GatewayHttpProtocol", (GuardedHttpToolsProtocol,),
                     {"max_header_bytes": config.max_header_bytes, "max_headers": config.max_headers,
-                     "head_timeout_s": config.timeouts.client_body_s, "max_connections": config.max_connections})
+                     "head_timeout_s": config.timeouts.client_head_s, "max_connections": config.max_connections,
+                     "client_share": config.connections_per_client, "by_address": Counter(), "by_key": Counter()})
     # log_config=None: uvicorn's loggers propagate to the root handler kvgate set up (text or JSON lines); the
     # access log is kvgate's own (gateway.telemetry.observe), with the request's model, workers and outcome.
     return uvicorn.Config(app, host=config.listen.host, port=config.listen.port, log_level=log_level,

@@ -19,15 +19,15 @@ log = logging.getLogger("kvgate.reload")
 
 # Settings the running process cannot change in place.
 _RESTART_KEYS = ("listen", "max_body_bytes", "max_header_bytes", "max_headers", "max_connections",
-                 "token_cache_bytes", "admission_workers", "discovery", "state")
+                 "max_connections_per_client", "token_cache_bytes", "admission_workers", "discovery", "state")
 _MODEL_RESTART_KEYS = ("tokenizer", "chat_template", "chat_template_kwargs")
 
 
 def restart_needed(old: GatewayConfig, new: GatewayConfig) -> list[str]:
     """Why `new` cannot be applied in place (empty when it can)."""
     problems = [f"{key} changed" for key in _RESTART_KEYS if getattr(old, key) != getattr(new, key)]
-    if old.timeouts.client_body_s != new.timeouts.client_body_s:
-        problems.append("timeouts.client_body_s changed (the server's header timer)")
+    if old.timeouts.client_head_s != new.timeouts.client_head_s:
+        problems.append("timeouts.client_head_s changed (the server's header timer)")
     old_names, new_names = [m.name for m in old.models], [m.name for m in new.models]
     if old_names != new_names:
         problems.append(f"the models served changed ({old_names} → {new_names})")

@@ -4,6 +4,7 @@ itself, while another tenant's large requests are answered as usual."""
 from __future__ import annotations
 
 import hashlib
+import socket
 import threading
 import time
 from collections import Counter
@@ -87,3 +88,48 @@ def test_a_tenant_flooding_large_body_admission_does_not_delay_another_tenants_l
     latencies.sort()
     assert latencies[-1] <= 1.0, f"p99 {latencies[-1]:.2f}s (median {latencies[len(latencies) // 2]:.2f}s)"
     assert flooder[429] > 0 and set(flooder) <= {400, 429}, flooder  # the flooder is refused, by itself
+
+
+def test_idle_connections_from_one_address_leave_the_others_served(gateway: RunningGateway) -> None:
+    host, port = gateway.url.removeprefix("http://").split(":")
+    hostile: list[socket.socket] = []
+    try:
+        for _ in range(1030):  # more than max_connections (1024), from one address, never sending a byte
+            sock = socket.socket()
+            sock.bind(("127.0.0.2", 0))
+            sock.connect((host, int(port)))
+            hostile.append(sock)
+        hostile[-1].settimeout(5)
+        assert hostile[-1].recv(4096).startswith(b"HTTP/1.1 503")  # beyond its share: answered at once, closed
+        with httpx.Client(base_url=gateway.url, timeout=30) as client:
+            for _ in range(20):
+                response = client.post("/v1/completions", headers=_headers("patient"),
+                                       json={"model": "glm-5", "prompt": "hello", "max_tokens": 2})
+                assert response.status_code == 200, response.text
+    finally:
+        for sock in hostile:
+            sock.close()
+
+
+def test_one_api_key_holds_at_most_its_share_of_connections_from_any_number_of_addresses(
+        gateway: RunningGateway) -> None:
+    host, port = gateway.url.removeprefix("http://").split(":")
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: kvgate\r\nauthorization: Bearer " + KEYS["flooder"].encode()
+            + b"\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n")  # a body that never comes
+    held: list[socket.socket] = []
+    try:
+        for n in range(257):  # the share is a quarter of max_connections (1024): 256
+            sock = socket.socket()
+            sock.bind(("127.0.0.3" if n % 2 else "127.0.0.4", 0))  # neither address reaches its own share
+            sock.connect((host, int(port)))
+            sock.sendall(head)
+            held.append(sock)
+        held[-1].settimeout(5)
+        answer = held[-1].recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer
+        response = httpx.post(gateway.url + "/v1/completions", headers=_headers("patient"), timeout=30,
+                              json={"model": "glm-5", "prompt": "hello", "max_tokens": 2})
+        assert response.status_code == 200  # another key is served
+    finally:
+        for sock in held:
+            sock.close()

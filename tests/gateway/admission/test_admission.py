@@ -214,7 +214,8 @@ def test_health_and_readiness(client: httpx.Client) -> None:
 @pytest.fixture(scope="module")
 def tight_gateway(pair: EnginePair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
     config = write_config(tmp_path_factory.mktemp("tight"), [model_entry("glm-5", [pair.prefill], [pair.decode])],
-                          max_headers=20, max_header_bytes=4096, max_connections=4)
+                          max_headers=20, max_header_bytes=4096, max_connections=4,
+                          max_connections_per_client=8)  # one address may take the whole (tiny) cap here
     with running_gateway(config) as running:
         yield running
 

@@ -38,7 +38,7 @@ def pair() -> Iterator[EnginePair]:
 def gateway(pair: EnginePair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
     config = write_config(tmp_path_factory.mktemp("gw"), [model_entry(
         "glm-5", [pair.prefill], [pair.decode], on_pool_mismatch="clamp", default_max_tokens=4)],
-        timeouts={"client_body_s": 1.0})
+        timeouts={"client_body_s": 1.0, "client_head_s": 1.0})
     with running_gateway(config) as running:
         yield running
 
