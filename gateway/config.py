@@ -387,6 +387,8 @@ class TenantLimitsConfig(_Strict):
     prompt_tokens_per_min: int | None = Field(None, gt=0, description="charged with kvgate's own count")
     output_tokens_per_min: int | None = Field(None, gt=0, description="charged as they are produced")
     max_concurrent: int | None = Field(None, gt=0)
+    body_bytes_per_min: int | None = Field(None, gt=0, description="request body bytes, charged once the body is in "
+                                                                  "and before it is parsed, whatever the answer")
 
 
 class TenantConfig(_Strict):

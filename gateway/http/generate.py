@@ -85,7 +85,7 @@ class GenerateEndpoint:
             tenant = CANARY if record.probe else await identify(gateway, scope)
             record.tenant = tenant.name
             throttle(gateway, tenant)
-            await receive_body(gateway, scope, receive, body)
+            await receive_body(gateway, scope, receive, body, tenant)
             fleet = gateway.fleet
             return await gateway.flow.run(self.route, body, tenant, fleet.limiter, fleet.salts, scope["headers"],
                                           record, sample=not record.probe)  # the canary is not a tenant

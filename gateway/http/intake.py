@@ -57,14 +57,26 @@ def throttle(gateway: Gateway, tenant: Tenant) -> None:
         raise Refused(error, retry_after(error)) from None
 
 
-async def receive_body(gateway: Gateway, scope: Scope, receive: Receive, body: RequestBody) -> None:
-    """The body into `body`; ConnectionAbortedError when the client leaves first."""
+async def receive_body(gateway: Gateway, scope: Scope, receive: Receive, body: RequestBody, tenant: Tenant) -> None:
+    """The body into `body`, charged to the tenant (one request, the bytes that came) before anything parses it,
+    whether it is then answered, refused, too large, late or abandoned; ConnectionAbortedError when the client leaves
+    first."""
     timeout_s = gateway.config.timeouts.client_body_s
+    refusal: Exception | None = None
     try:
         async with asyncio.timeout(timeout_s):
             await read_body(scope, receive, body, gateway.config.max_body_bytes)
     except TimeoutError:
-        raise Refused(GatewayError(408, f"the request body did not arrive within {timeout_s:g}s",
-                                   code="request_timeout"), CLOSE) from None
+        refusal = Refused(GatewayError(408, f"the request body did not arrive within {timeout_s:g}s",
+                                       code="request_timeout"), CLOSE)
     except (BodyTooLarge, EncodedBody) as error:
-        raise Refused(error, CLOSE) from None
+        refusal = Refused(error, CLOSE)
+    except ConnectionAbortedError as gone:
+        refusal = gone
+    try:
+        await gateway.fleet.limiter.charge_request(tenant, body.size)
+    except RateLimited as error:
+        if refusal is None:
+            raise Refused(error, retry_after(error)) from None
+    if refusal is not None:
+        raise refusal

@@ -53,7 +53,7 @@ class TokenizeApi:
             tenant = await identify(gateway, request.scope)
             throttle(gateway, tenant)
             with RequestBody() as body:
-                await receive_body(gateway, request.scope, request.receive, body)
+                await receive_body(gateway, request.scope, request.receive, body, tenant)
                 payload = await self._answer(kind, body, tenant.name)
         except Refused as refused:
             return error_response(refused.error, refused.headers)

@@ -7,7 +7,8 @@ import math
 from gateway.errors import GatewayError
 
 _REASONS = {"requests": "requests per minute", "prompt_tokens": "prompt tokens per minute",
-            "output_tokens": "output tokens per minute", "max_concurrent": "concurrent requests"}
+            "output_tokens": "output tokens per minute", "max_concurrent": "concurrent requests",
+            "body_bytes": "request body bytes per minute"}
 
 
 class Unauthorized(GatewayError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from typing import NoReturn
 
 from gateway.tenancy.errors import RateLimited, StateDown
 from gateway.tenancy.tenants import Tenant
@@ -57,14 +58,38 @@ class TenantLimiter:
                 raise RateLimited(tenant.name, held[1], wait)
             del self._empty_until[tenant.name]
 
+    async def charge_request(self, tenant: Tenant, body_bytes: int) -> None:
+        """Every request that reached its body costs its tenant one request and its body's bytes, whatever its answer
+        will be (400 and 413 included), before the body is parsed; raises 429 when a budget is empty."""
+        limits = tenant.limits
+        budgets = []
+        if limits.requests_per_min:
+            budgets.append(Budget("requests", limits.requests_per_min, 1))
+        if limits.body_bytes_per_min:
+            budgets.append(Budget("body_bytes", limits.body_bytes_per_min, body_bytes))
+        if not budgets:
+            return
+        try:
+            decision = await self._state.admit_tenant(tenant.name, budgets, None, 0)
+        except StateUnavailable:
+            raise StateDown() from None
+        if not decision.admitted:
+            self._refused(tenant, decision.reason, decision.retry_after_s)
+
+    def _refused(self, tenant: Tenant, reason: str, retry_after_s: float) -> NoReturn:
+        if reason != "max_concurrent":  # a slot may free any moment; an empty budget refills slowly
+            if len(self._empty_until) > 100_000:
+                self._empty_until.clear()
+            self._empty_until[tenant.name] = (time.monotonic() + retry_after_s, reason)
+        raise RateLimited(tenant.name, reason, retry_after_s)
+
     async def admit(self, tenant: Tenant, prompt_tokens: int) -> TenantPass:
-        """Charge the request to its tenant, or raise 429 (with when to retry)."""
+        """Take the request's concurrency slot and charge its prompt, or raise 429 (with when to retry). Its request
+        and body were charged already (`charge_request`)."""
         limits = tenant.limits
         if not tenant.limited:
             return TenantPass(self, tenant)
         budgets = []
-        if limits.requests_per_min:
-            budgets.append(Budget("requests", limits.requests_per_min, 1))
         if limits.prompt_tokens_per_min:
             budgets.append(Budget("prompt_tokens", limits.prompt_tokens_per_min, prompt_tokens))
         if limits.output_tokens_per_min:
@@ -83,11 +108,7 @@ class TenantLimiter:
             raise
         if not decision.admitted:
             self._forget_slot(tenant)
-            if decision.reason != "max_concurrent":  # a slot may free any moment; an empty budget refills slowly
-                if len(self._empty_until) > 100_000:
-                    self._empty_until.clear()
-                self._empty_until[tenant.name] = (time.monotonic() + decision.retry_after_s, decision.reason)
-            raise RateLimited(tenant.name, decision.reason, decision.retry_after_s)
+            self._refused(tenant, decision.reason, decision.retry_after_s)
         return TenantPass(self, tenant)
 
     def _forget_slot(self, tenant: Tenant) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-BudgetKind = Literal["requests", "prompt_tokens", "output_tokens"]
+BudgetKind = Literal["requests", "prompt_tokens", "output_tokens", "body_bytes"]
 
 
 class StateUnavailable(Exception):

@@ -19,7 +19,10 @@ from tests.gateway_harness import RunningGateway, model_entry, running_gateway, 
 
 pytestmark = pytest.mark.long_running(seconds=25)
 
-KEYS = {"patient": "sk-patient", "flooder": "sk-flooder"}
+KEYS = {"patient": "sk-patient", "flooder": "sk-flooder", "metered": "sk-metered", "counted": "sk-counted",
+        "bulky": "sk-bulky"}
+LIMITS = {"metered": {"requests_per_min": 3}, "counted": {"requests_per_min": 2},
+          "bulky": {"body_bytes_per_min": 1_000_000}}
 
 
 def _hashed(key: str) -> str:
@@ -35,7 +38,7 @@ def pair() -> Iterator[EnginePair]:
 
 @pytest.fixture(scope="module")
 def gateway(pair: EnginePair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
-    tenants = [{"name": name, "api_keys": [_hashed(key)]} for name, key in KEYS.items()]
+    tenants = [{"name": name, "api_keys": [_hashed(key)], "limits": LIMITS.get(name, {})} for name, key in KEYS.items()]
     config = write_config(tmp_path_factory.mktemp("fairness"), [model_entry("glm-5", [pair.prefill], [pair.decode])],
                           tenants=tenants, auth={"required": True})
     with running_gateway(config) as running:
@@ -57,7 +60,7 @@ def test_a_tenant_flooding_large_body_admission_does_not_delay_another_tenants_l
     # first body: seconds, once).
     warm = [threading.Thread(target=lambda t=tenant: httpx.post(gateway.url + "/v1/completions", json=padded,
                                                                  timeout=60, headers=_headers(t)))
-            for tenant in KEYS]
+            for tenant in ("patient", "flooder")]
     for thread in warm:
         thread.start()
     for thread in warm:
@@ -133,3 +136,28 @@ def test_one_api_key_holds_at_most_its_share_of_connections_from_any_number_of_a
     finally:
         for sock in held:
             sock.close()
+
+
+def test_refused_requests_and_tokenize_calls_are_charged_to_their_tenant(gateway: RunningGateway) -> None:
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        for body in (b"{not json", b'{"model": "glm-5"}', b'{"model": "nope", "prompt": "x"}'):  # 400, 400, 404
+            assert client.post("/v1/completions", content=body, headers=_headers("metered")).status_code in (400, 404)
+        limited = client.post("/v1/completions", headers=_headers("metered"),
+                              json={"model": "glm-5", "prompt": "hello", "max_tokens": 2})
+        assert limited.status_code == 429 and "requests per minute" in limited.json()["error"]["message"]
+        for _ in range(2):
+            assert client.post("/v1/tokenize", headers=_headers("counted"),
+                               json={"model": "glm-5", "prompt": "hello"}).status_code == 200
+        assert client.post("/v1/completions", headers=_headers("counted"),
+                           json={"model": "glm-5", "prompt": "hello", "max_tokens": 2}).status_code == 429
+
+
+def test_a_bodys_bytes_are_charged_before_it_is_parsed(gateway: RunningGateway) -> None:
+    junk = b'{"model": "glm-5", "prompt": ' + b"[" * 900_000  # never valid: its size is what costs
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        assert client.post("/v1/completions", content=junk, headers=_headers("bulky")).status_code == 400
+        assert client.post("/v1/completions", content=junk, headers=_headers("bulky")).status_code == 400  # debt
+        limited = client.post("/v1/completions", headers=_headers("bulky"),
+                              json={"model": "glm-5", "prompt": "hello", "max_tokens": 2})
+        assert limited.status_code == 429 and "body bytes per minute" in limited.json()["error"]["message"]
+        assert int(limited.headers["retry-after"]) >= 1

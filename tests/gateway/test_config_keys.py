@@ -117,6 +117,7 @@ KEY_TESTS = {
     "tenants.name": "tests/fleet/test_replicas.py::test_requests_need_a_known_api_key",
     "tenants.api_keys": "tests/fleet/test_replicas.py::test_requests_need_a_known_api_key",
     "tenants.limits.requests_per_min": "tests/gateway/tenancy/test_tenancy.py::test_a_tenants_request_limit_answers_429_with_retry_after",
+    "tenants.limits.body_bytes_per_min": "tests/e2e/test_fairness.py::test_a_bodys_bytes_are_charged_before_it_is_parsed",
     "tenants.limits.prompt_tokens_per_min": "tests/fleet/test_replicas.py::test_a_tenants_token_budget_holds_across_replicas",
     "tenants.limits.output_tokens_per_min": "tests/gateway/tenancy/test_tenancy.py::test_output_tokens_are_charged_and_a_tenant_in_debt_waits",
     "tenants.limits.max_concurrent": "tests/fleet/test_replicas.py::test_a_replica_killed_with_sigkill_leaves_no_phantom_load_once_its_lease_lapses",
