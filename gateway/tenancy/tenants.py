@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ from gateway.config import AuthConfig, TenantConfig, TenantLimitsConfig
 from gateway.tenancy.errors import StateDown, Unauthorized
 from routing.state import FleetState, StateUnavailable
 
+log = logging.getLogger("kvgate.tenancy")
 _NO_LIMITS = TenantLimitsConfig()
 _KEY_CACHE_S = 10.0  # how long a key looked up in the shared state is trusted (a revoked key works this long)
 
@@ -37,6 +39,9 @@ CANARY = Tenant("kvgate:canary")
 class TenantDirectory:
     def __init__(self, auth: AuthConfig, tenants: list[TenantConfig], state: FleetState) -> None:
         self.required = auth.required
+        if not auth.required:
+            log.warning("auth.required is false: a client without an API key is told apart by its address only, so "
+                        "keyless clients behind one proxy or NAT share one tenant and one prefix-cache namespace")
         self._by_name = {t.name: _tenant(t) for t in tenants}
         self._by_key = {key.removeprefix("sha256:"): self._by_name[t.name] for t in tenants for key in t.api_keys}
         self._state = state
