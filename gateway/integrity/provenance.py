@@ -14,7 +14,7 @@ be looked up elsewhere — never the text.
 Which n-grams are kept depends on the n-gram alone (one hash in `KEEP`), never on where it stands: the same text
 sent by two tenants at any offset keeps the same n-grams, so "two tenants sent it" is decided exactly. Answers are
 checked at every position, so a shared stretch of `NGRAM + k` letters and digits is found unless none of its `k + 1`
-n-grams is kept: missed with probability (1 - 1/KEEP) ** (k + 1), about 1 in 6,000 at 112, 1 in 10**9 at 200.
+n-grams is kept: missed with probability (1 - 1/KEEP) ** (k + 1), about 1 in 6,000 at 112, 1 in 700 million at 200.
 """
 
 from __future__ import annotations
@@ -127,6 +127,6 @@ class ProvenanceChecker:
         if window.foreign(record.tenant, answer):
             self._metrics.provenance_foreign.labels(model).inc()
             exchange = record.exchange
-            log.error("answer shares text with another tenant's recent traffic: request_id=%s rid=%s model=%s "
+            log.error("answer carries text only another tenant recently sent: request_id=%s rid=%s model=%s "
                       "prefill=%s decode=%s", record.request_id, exchange.rid if exchange else None, model,
                       exchange.pair.prefill.url if exchange else None, exchange.pair.decode.url if exchange else None)
