@@ -111,7 +111,8 @@ def test_a_sampled_answer_carrying_another_tenants_text_is_flagged(lying_pair: E
     (tmp_path / "provenance").mkdir()
     with running_gateway(write_config(tmp_path / "provenance", [entry])) as gateway:
         tenant_a, tenant_b = {"authorization": "Bearer tenant-a"}, {"authorization": "Bearer tenant-b"}
-        secret = f"Note: {MARKER} belongs to tenant A, account 4471 at the Rotterdam branch. " * 6
+        # No repeated stretch: a leak of its first 48 tokens carries ~100 distinct n-grams (one in 8 is kept).
+        secret = "".join(f"Note {i}: {MARKER} belongs to tenant A, account 4471 at the Rotterdam branch. " for i in range(6))
         body = {"text": secret, "sampling_params": {"max_new_tokens": 48}, "stream": True}
         assert httpx.post(gateway.url + "/generate", json=body, headers=tenant_a, timeout=60).status_code == 200
         ordinary = {"text": "What is the capital of France?", "sampling_params": {"max_new_tokens": 8}}
