@@ -228,8 +228,8 @@ class IntegrityConfig(_Strict):
     strict: bool = Field(False, description="an implausible first token fails the request (502) before any output "
                                             "is released; otherwise it is counted and logged")
     provenance_sample: float = Field(0.0, ge=0, le=1, description="share of requests whose answer is checked for "
-                                                                  "text another tenant recently sent or received")
-    provenance_window: int = Field(1_000_000, ge=1000, description="n-gram hashes remembered per model")
+                                                                  "text only one other tenant recently sent")
+    provenance_window: int = Field(1_000_000, ge=1000, description="n-gram hashes of sampled prompts kept per model")
     canary_interval_s: float | None = Field(None, gt=0, description="run the canary probes this often (null: never)")
     canary_near_limit: bool = Field(False, description="also probe at limit−1 and limit (each costs a full prefill "
                                                        "of that size)")

@@ -2,13 +2,19 @@
 The incident's leaking answers were fluent text built on someone else's context; status codes and counts saw
 nothing.
 
-For a sampled request the gateway checks its answer's character n-grams (after lower-casing and dropping everything
-but letters and digits) against a bounded window of other tenants' prompt n-grams, then adds its own prompt's,
-tagged with the tenant. Answers are not remembered: two tenants asking alike may well get alike answers (greedy
-decoding, common facts), while another tenant's prompt text in an answer is the leak's signature. Only hashes are kept
-— Python's string hash, salted per process, so they cannot be looked up elsewhere — never the text. Stored n-grams are
-taken every `STRIDE` characters and checked at every position, so any shared stretch of `NGRAM + STRIDE` characters is
-found.
+For a sampled request the gateway first adds its own prompt's character n-grams (after lower-casing and dropping
+everything but letters and digits) to a bounded window, tagged with its tenant, then checks its answer's n-grams
+against the window. Only an n-gram that exactly one tenant sent, and not the answering one, is evidence: text two
+tenants sent is common, so no tenant can make another's answer look foreign by sending likely answer text (the
+answering tenant's own prompt is already in the window when its answer is checked). Answers are not remembered: two
+tenants asking alike may well get alike answers (greedy decoding, common facts), while another tenant's prompt text
+in an answer is the leak's signature. Only hashes are kept — Python's string hash, salted per process, so they cannot
+be looked up elsewhere — never the text.
+
+Which n-grams are kept depends on the n-gram alone (one hash in `KEEP`), never on where it stands: the same text
+sent by two tenants at any offset keeps the same n-grams, so "two tenants sent it" is decided exactly. Answers are
+checked at every position, so a shared stretch of `NGRAM + k` letters and digits is found unless none of its `k + 1`
+n-grams is kept: missed with probability (1 - 1/KEEP) ** (k + 1), about 1 in 6,000 at 112, 1 in 700 million at 200.
 """
 
 from __future__ import annotations
@@ -19,76 +25,42 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-import orjson
-
+from gateway.integrity.provenance_text import MAX_TEXT_CHARS, Decode, answer_text, prompt_texts
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.record import RequestRecord
 
 log = logging.getLogger("kvgate")
 
 NGRAM = 48  # characters: long enough that shared boilerplate ("you are a helpful assistant") rarely reaches it
-STRIDE = 8
-MAX_TEXT_CHARS = 1 << 16  # of each prompt or answer considered
+KEEP = 8  # one n-gram in KEEP (by its hash) is remembered: the window holds KEEP times more text
+_MAX_BODY = 1 << 20  # bytes of an engine body parsed for its prompt
 _NOT_WORD = re.compile(r"[\W_]+")
-# Where text lives in requests and answers (never keys such as "role" or ids).
-_TEXT_KEYS = frozenset({"content", "text", "prompt", "reasoning_content", "arguments"})
 
 
 def normalized(text: str) -> str:
     return _NOT_WORD.sub("", text[:MAX_TEXT_CHARS].lower())
 
 
-def _grams(text: str, step: int) -> Iterator[int]:
+def _grams(text: str) -> Iterator[int]:
+    """The hash of the n-gram at every position."""
     norm = normalized(text)
-    for start in range(0, max(0, len(norm) - NGRAM + 1), step):
+    for start in range(max(0, len(norm) - NGRAM + 1)):
         yield hash(norm[start:start + NGRAM])
 
 
-def texts_in(document: Any) -> Iterator[str]:
-    """The strings under text-bearing keys of a parsed request or answer, at any depth (iteratively: no recursion
-    limit to hit)."""
-    stack = [document]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key in _TEXT_KEYS and isinstance(value, str):
-                    yield value
-                elif isinstance(value, (dict, list)):
-                    stack.append(value)
-        elif isinstance(node, list):
-            stack.extend(item for item in node if isinstance(item, (dict, list)))
-
-
-def answer_text(body: bytes) -> str:
-    """The text of an answer as sent: one JSON object, or server-sent events (the last /generate event is whole)."""
-    if not body.startswith(b"data:"):
-        try:
-            return "\n".join(texts_in(orjson.loads(body)))
-        except orjson.JSONDecodeError:  # cut off at the capture limit: its text is still checked, keys and all
-            return body.decode("utf-8", "replace")
-    parts: list[str] = []
-    for line in body.split(b"\n"):
-        if line.startswith(b"data: {"):
-            try:
-                parts.extend(texts_in(orjson.loads(line[6:])))
-            except orjson.JSONDecodeError:
-                continue
-    return "".join(parts)
-
-
-_SHARED = ""  # an n-gram more than one tenant sent: common text, nobody's secret
+def _kept(text: str) -> Iterator[int]:
+    """The n-grams a window remembers: chosen by content, so equal text keeps equal n-grams wherever it stands."""
+    return (gram for gram in _grams(text) if gram % KEEP == 0)
 
 
 class ProvenanceWindow:
-    """Recent n-gram hashes of sampled prompts, each with the one tenant that sent it (bounded, LRU). An n-gram two
-    tenants sent is nobody's: one tenant cannot make another's answers look foreign by sending likely answer text."""
+    """Recent kept n-gram hashes of sampled prompts, each with the one tenant that sent it, or None once a second
+    tenant sent it too (bounded, LRU; common stays common while it is remembered)."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
-        self._owners: OrderedDict[int, str] = OrderedDict()
+        self._owners: OrderedDict[int, str | None] = OrderedDict()
 
     @property
     def capacity(self) -> int:
@@ -97,17 +69,20 @@ class ProvenanceWindow:
     def remember(self, tenant: str, texts: Iterable[str]) -> None:
         owners = self._owners
         for text in texts:
-            for gram in _grams(text, STRIDE):
-                owner = owners.get(gram)
-                owners[gram] = tenant if owner is None or owner == tenant else _SHARED
-                owners.move_to_end(gram)
+            for gram in _kept(text):
+                if gram in owners:
+                    if owners[gram] != tenant:
+                        owners[gram] = None
+                    owners.move_to_end(gram)
+                else:
+                    owners[gram] = tenant
         while len(owners) > self._capacity:
             owners.popitem(last=False)
 
     def foreign(self, tenant: str, text: str) -> bool:
-        """Whether `text` shares an n-gram with another tenant's remembered text."""
+        """Whether `text` carries an n-gram that one other tenant, and nobody else, sent."""
         owners = self._owners
-        return any((owner := owners.get(gram)) and owner != tenant for gram in _grams(text, 1))
+        return any((owner := owners.get(gram)) is not None and owner != tenant for gram in _kept(text))
 
 
 class ProvenanceChecker:
@@ -123,34 +98,35 @@ class ProvenanceChecker:
     def samples(rate: float) -> bool:
         return rate > 0 and random.random() < rate
 
-    def submit(self, model: str, window_size: int, record: RequestRecord) -> None:
-        self._thread.submit(self._check_safely, model, window_size, record)
+    def submit(self, model: str, window_size: int, record: RequestRecord, decode: Decode) -> None:
+        """`decode`: the model's tokenizer, for token-id prompts (run on the checker's thread, like the hashing)."""
+        self._thread.submit(self._check_safely, model, window_size, record, decode)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
-    def _check_safely(self, model: str, window_size: int, record: RequestRecord) -> None:
+    def _check_safely(self, model: str, window_size: int, record: RequestRecord, decode: Decode) -> None:
         try:
-            self._check(model, window_size, record)
+            self._check(model, window_size, record, decode)
         except Exception:  # a check must never take anything else down
             log.exception("provenance check failed for request_id=%s", record.request_id)
 
-    def _check(self, model: str, window_size: int, record: RequestRecord) -> None:
-        """Does the answer share a long stretch with what another tenant recently sent? Counted and logged (never the
-        text); then this request's prompt joins the window."""
+    def _check(self, model: str, window_size: int, record: RequestRecord, decode: Decode) -> None:
+        """This request's prompt joins the window; then, does its answer share a long stretch with what another
+        tenant, and only that one, recently sent? Counted and logged (never the text)."""
         window = self.windows.get(model)
         if window is None:
             window = self.windows[model] = ProvenanceWindow(window_size)
+        admitted = record.admitted
+        if admitted is not None and len(admitted.engine_body) <= _MAX_BODY:
+            # Its own prompt first: text the answering tenant sent itself is never evidence against another tenant
+            # (an echo, a quote, a refusal it asked to be repeated), however many sent it before.
+            window.remember(record.tenant, prompt_texts(admitted.engine_body, decode))
         answer = answer_text(bytes(record.answer))
         self._metrics.provenance_checks.labels(model).inc()
         if window.foreign(record.tenant, answer):
             self._metrics.provenance_foreign.labels(model).inc()
             exchange = record.exchange
-            log.error("answer shares text with another tenant's recent traffic: request_id=%s rid=%s model=%s "
+            log.error("answer carries text only another tenant recently sent: request_id=%s rid=%s model=%s "
                       "prefill=%s decode=%s", record.request_id, exchange.rid if exchange else None, model,
                       exchange.pair.prefill.url if exchange else None, exchange.pair.decode.url if exchange else None)
-        admitted = record.admitted
-        if admitted is not None and len(admitted.engine_body) <= 1 << 20:
-            # Prompts only: two tenants asking alike may get alike answers (greedy decoding, common facts), but an
-            # answer carrying someone else's prompt text is the leak's signature.
-            window.remember(record.tenant, texts_in(orjson.loads(admitted.engine_body)))

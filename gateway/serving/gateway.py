@@ -3,6 +3,7 @@ asked whether it is ready. What a request does lives in serving.flow; what follo
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -195,7 +196,9 @@ class Gateway:
         served = self.models.get(record.model)
         limit = served.admission.limits.prompt_tokens if served else None
         if record.sampled and served is not None and record.status == 200:
-            self.provenance_checker.submit(served.name, served.config.integrity.provenance_window, record)
+            tokenizer = served.admission.tokenizer.tokenizer
+            self.provenance_checker.submit(served.name, served.config.integrity.provenance_window, record,
+                                           functools.partial(tokenizer.decode, skip_special_tokens=True))
         if record.probe:
             return  # the canary's own traffic: not a tenant's, kept out of request metrics and the access log
         observe_request(self.metrics, record, limit=limit)

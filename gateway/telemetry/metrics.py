@@ -73,7 +73,7 @@ class GatewayMetrics:
         self.provenance_checks = Counter("kvgate_provenance_checks", "Sampled answers checked for another tenant's "
                                          "text", ["model"], registry=r)
         self.provenance_foreign = Counter("kvgate_provenance_foreign", "Sampled answers that share a long stretch of "
-                                          "text with another tenant's recent prompts or answers", ["model"],
+                                          "text with what one other tenant, and nobody else, recently sent", ["model"],
                                           registry=r)
         self.canary_probes = Counter("kvgate_canary_probes", "Canary probes sent through the gateway's own path, by "
                                      "result (status, leak, admitted_over_limit)", ["model", "result"], registry=r)

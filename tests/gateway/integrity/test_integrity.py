@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.integrity.provenance import ProvenanceWindow, answer_text
+from gateway.integrity.provenance import ProvenanceWindow
+from gateway.integrity.provenance_text import answer_text
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import inject, wait_for
 from tests.gateway_harness import model_entry, running_gateway, write_config
@@ -87,9 +88,11 @@ def test_an_implausibly_fast_first_token_is_counted_and_under_strict_nothing_is_
 
 def test_the_provenance_window_finds_another_tenants_text_and_only_that() -> None:
     window = ProvenanceWindow(10_000)
-    secret = "Invoice 88123 for ACME Rotterdam is overdue; the bank account is NL91ABNA0417164300 and the PIN is 4471."
+    secret = ("Invoice 88123 for ACME Rotterdam is overdue; the bank account is NL91ABNA0417164300 and the PIN is "
+              "4471. Call Marjolein de Vries on extension 5512 before Thursday, and quote the contract 2024-ACM-0917 "
+              "signed in the Zuidas office, room 14B, next to the archive of the 1998 merger.")
     window.remember("tenant-a", [secret])
-    assert window.foreign("tenant-b", "Sure! " + secret[20:90] + " anything else?")  # a long shared stretch
+    assert window.foreign("tenant-b", "Sure! " + secret[20:250] + " anything else?")  # a long shared stretch
     assert not window.foreign("tenant-a", secret)  # one's own text is not foreign
     assert not window.foreign("tenant-b", "the bank account is")  # a short common phrase is not a match
     assert answer_text(b'data: {"text":"ab"}\n\ndata: {"text":"abc"}\n\ndata: [DONE]\n\n') == "ababc"
@@ -108,7 +111,8 @@ def test_a_sampled_answer_carrying_another_tenants_text_is_flagged(lying_pair: E
     (tmp_path / "provenance").mkdir()
     with running_gateway(write_config(tmp_path / "provenance", [entry])) as gateway:
         tenant_a, tenant_b = {"authorization": "Bearer tenant-a"}, {"authorization": "Bearer tenant-b"}
-        secret = f"Note: {MARKER} belongs to tenant A, account 4471 at the Rotterdam branch. " * 6
+        # No repeated stretch: a leak of its first 48 tokens carries ~100 distinct n-grams (one in 8 is kept).
+        secret = "".join(f"Note {i}: {MARKER} belongs to tenant A, account 4471 at the Rotterdam branch. " for i in range(6))
         body = {"text": secret, "sampling_params": {"max_new_tokens": 48}, "stream": True}
         assert httpx.post(gateway.url + "/generate", json=body, headers=tenant_a, timeout=60).status_code == 200
         ordinary = {"text": "What is the capital of France?", "sampling_params": {"max_new_tokens": 8}}
