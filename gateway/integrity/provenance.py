@@ -11,10 +11,11 @@ tenants asking alike may well get alike answers (greedy decoding, common facts),
 in an answer is the leak's signature. Only hashes are kept — Python's string hash, salted per process, so they cannot
 be looked up elsewhere — never the text.
 
-Which n-grams are kept depends on the n-gram alone (one hash in `KEEP`), never on where it stands: the same text
-sent by two tenants at any offset keeps the same n-grams, so "two tenants sent it" is decided exactly. Answers are
-checked at every position, so a shared stretch of `NGRAM + k` letters and digits is found unless none of its `k + 1`
-n-grams is kept: missed with probability (1 - 1/KEEP) ** (k + 1), about 1 in 6,000 at 112, 1 in 700 million at 200.
+A prompt's n-grams are kept by winnowing (Schleimer, Wilkerson and Aiken, SIGMOD 2003: the smallest hash of every
+`WINDOW` consecutive n-grams, about 2 in `WINDOW + 1`), and answers are checked at every position, so any stretch of
+`NGRAM + WINDOW - 1` letters and digits an answer shares with one other tenant's prompt is found, wherever it stands
+in either. A prompt marks common every remembered n-gram of another tenant's that it holds at any position, so text
+two tenants sent is common whatever its offset in each.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 import random
 import re
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,7 +34,7 @@ from gateway.telemetry.record import RequestRecord
 log = logging.getLogger("kvgate")
 
 NGRAM = 48  # characters: long enough that shared boilerplate ("you are a helpful assistant") rarely reaches it
-KEEP = 8  # one n-gram in KEEP (by its hash) is remembered: the window holds KEEP times more text
+WINDOW = 15  # n-grams per winnowing window: one kept in every WINDOW at least, about one in 8 on average
 _MAX_BODY = 1 << 20  # bytes of an engine body parsed for its prompt
 _NOT_WORD = re.compile(r"[\W_]+")
 
@@ -49,9 +50,22 @@ def _grams(text: str) -> Iterator[int]:
         yield hash(norm[start:start + NGRAM])
 
 
-def _kept(text: str) -> Iterator[int]:
-    """The n-grams a window remembers: chosen by content, so equal text keeps equal n-grams wherever it stands."""
-    return (gram for gram in _grams(text) if gram % KEEP == 0)
+def winnowed(grams: list[int]) -> set[int]:
+    """The smallest hash of every `WINDOW` consecutive n-grams (of all of them when there are fewer): any `WINDOW`
+    n-grams in a row that two texts share give both the same kept n-gram."""
+    if len(grams) < WINDOW:
+        return {min(grams)} if grams else set()
+    kept: set[int] = set()
+    smallest: deque[int] = deque()  # positions in the current window whose hashes increase: the first is its minimum
+    for at, gram in enumerate(grams):
+        while smallest and grams[smallest[-1]] >= gram:
+            smallest.pop()
+        smallest.append(at)
+        if smallest[0] <= at - WINDOW:
+            smallest.popleft()
+        if at >= WINDOW - 1:
+            kept.add(grams[smallest[0]])
+    return kept
 
 
 class ProvenanceWindow:
@@ -69,10 +83,12 @@ class ProvenanceWindow:
     def remember(self, tenant: str, texts: Iterable[str]) -> None:
         owners = self._owners
         for text in texts:
-            for gram in _kept(text):
+            grams = list(_grams(text))
+            for gram in grams:  # another tenant's n-gram this prompt holds anywhere: common from now on
+                if gram in owners and owners[gram] != tenant:
+                    owners[gram] = None
+            for gram in winnowed(grams):
                 if gram in owners:
-                    if owners[gram] != tenant:
-                        owners[gram] = None
                     owners.move_to_end(gram)
                 else:
                     owners[gram] = tenant
@@ -82,7 +98,7 @@ class ProvenanceWindow:
     def foreign(self, tenant: str, text: str) -> bool:
         """Whether `text` carries an n-gram that one other tenant, and nobody else, sent."""
         owners = self._owners
-        return any((owner := owners.get(gram)) is not None and owner != tenant for gram in _kept(text))
+        return any((owner := owners.get(gram)) is not None and owner != tenant for gram in _grams(text))
 
 
 class ProvenanceChecker:

@@ -7,6 +7,7 @@ That must raise nothing, while A's own unique text — sent as a string or as to
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.integrity.provenance import ProvenanceWindow, normalized
+from gateway.integrity.provenance import NGRAM, WINDOW, ProvenanceWindow, normalized
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import inject, wait_for
 from tests.gateway_harness import RunningGateway, model_entry, running_gateway, write_config
@@ -130,3 +131,18 @@ def test_text_two_tenants_sent_at_any_offset_is_common() -> None:
         assert window.foreign("b", answer) and not window.foreign("a", answer)  # only A sent it
         window.remember("c", ["Quoted: " + shared + " (end)"])
         assert not window.foreign("b", answer)  # A and C sent it: nobody's
+
+
+def test_any_copied_stretch_of_ngram_plus_window_characters_is_found_wherever_it_stands() -> None:
+    """Winnowing's guarantee: NGRAM + WINDOW - 1 letters and digits copied from one tenant's prompt into another's
+    answer are always found, at any offset in either (a kept-by-chance scheme misses some)."""
+    rng = random.Random(7)
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    length = NGRAM + WINDOW - 1
+    for _ in range(300):
+        prompt = "".join(rng.choice(alphabet) for _ in range(400))
+        start = rng.randrange(0, len(prompt) - length)
+        window = ProvenanceWindow(100_000)
+        window.remember("a", [prompt])
+        answer = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 50))) + prompt[start:start + length]
+        assert window.foreign("b", answer), (start, len(answer))
