@@ -57,7 +57,7 @@ local elsewhere = 0
 local levels = {}
 local function answer(admitted, wait, why)
   local out = {admitted, wait, why, tostring(elsewhere)}
-  for i = 0, n - 1 do out[#out + 1] = tostring(levels[i] or -1) end
+  for i = 0, n - 1 do out[#out + 1] = levels[i] and tostring(levels[i]) or '' end
   return out
 end
 if max_concurrent >= 0 then

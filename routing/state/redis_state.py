@@ -104,9 +104,8 @@ class RedisState:
             self.last_levels.clear()
         now = time.monotonic()
         for budget, level in zip(budgets, levels, strict=False):
-            value = float(level)
-            if value != -1:  # -1: not read (refused by max_concurrent first)
-                self.last_levels[(tenant, budget.kind)] = (value, budget.per_min, now)
+            if level:  # empty: not read (refused by max_concurrent first)
+                self.last_levels[(tenant, budget.kind)] = (float(level), budget.per_min, now)
 
     async def release_tenant(self, tenant: str, held_here: int = 0, seq: int = 0) -> None:
         await self._release(keys=[f"{PREFIX}conc:{tenant}", f"{PREFIX}conc_floor:{self.replica}"],
