@@ -7,7 +7,6 @@ by restarting nothing but the secret's mount); without one the API answers 403. 
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import os
 from typing import TYPE_CHECKING, Any
@@ -133,15 +132,13 @@ class AdminApi:
         return _answer(200, {"model": name, "disabled": disabled, "cancel_inflight": cancel})
 
     async def abort_request(self, request: Request) -> Response:
-        """Cancel a request in flight by the x-request-id the gateway returned, on whichever replica owns it."""
+        """Cancel a request in flight by the x-request-id the gateway returned, on whichever replica owns it: every
+        replica is asked at once and the answer waits (a quarter of a second at most) for theirs."""
         request_id = request.path_params["id"]
         fleet = self.gateway.fleet
         local = self.gateway.abort_local(request_id)
         try:  # every holder of the id, here and elsewhere (a client may reuse ids)
             owners = [r for r in await fleet.state.request_abort(request_id) if r != fleet.replica]
-            if not owners and not local:  # a request just started is registered on its replica's next sync
-                await asyncio.sleep(min(1.0, 2 * fleet.config.sync_interval_s))
-                owners = [r for r in await fleet.state.request_abort(request_id) if r != fleet.replica]
         except StateUnavailable as exc:
             if local:
                 return _answer(200, {"request_id": request_id, "aborted_here": local, "replicas": []})

@@ -62,7 +62,8 @@ class Fleet:
     def replica(self) -> str:
         return self.state.replica
 
-    async def start(self, report: Callable[[], FleetReport], apply: Callable[[FleetView], None]) -> None:
+    async def start(self, report: Callable[[], FleetReport], apply: Callable[[FleetView], None],
+                    abort: Callable[[str], int]) -> None:
         secret = os.environ.get(self._salt_env, "").encode()
         if not secret:
             try:  # every replica must salt a tenant alike, or a tenant's cache hits depend on the replica
@@ -73,6 +74,7 @@ class Fleet:
                 secret = os.urandom(32)
         self.salts = CacheSalts(secret)
         self._report, self._apply = report, apply
+        self.state.serve_aborts(abort)  # another replica's abort by id is answered here at once
         await self.sync_now()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -95,7 +97,7 @@ class Fleet:
         if report is None or apply is None:
             return
         fleet_report = report()
-        fleet_report.concurrency = self.limiter.concurrency_report()
+        fleet_report.concurrency, fleet_report.seq = self.limiter.concurrency_report()
         try:
             view = await self.state.sync(fleet_report)
         except StateUnavailable:

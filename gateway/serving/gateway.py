@@ -130,7 +130,8 @@ class Gateway:
         self.discovery.start()
         await self.fleet.start(
             lambda: fleet_report(self.models.values(), self.inflight, shared=self.fleet.state.shared),
-            lambda view: follow_fleet(view, self.models.values(), self.exchanges, self.inflight, self.metrics))
+            lambda view: follow_fleet(view, self.models.values(), self.exchanges, self.inflight, self.metrics),
+            self.abort_local)
 
     async def poll_loads(self, model: ServedModel) -> None:
         """Engines' own loads are read while, and only while, a policy uses them (power_of_two, kv_headroom)."""

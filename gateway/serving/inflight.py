@@ -80,7 +80,8 @@ class Inflight:
     def abort(self, request_id: str) -> int:
         """Cancel, on both halves, every exchange of this replica that carries `request_id`, and refuse those still
         waiting for a pair when their turn comes; how many."""
-        exchanges = list(self._by_request_id.get(request_id, ()))
+        # One already failing is not counted again (an abort may come by pub/sub and again at the sync).
+        exchanges = [e for e in self._by_request_id.get(request_id, ()) if e.failure is None]
         for exchange in exchanges:
             self._metrics.operator_aborts.labels(exchange.admitted.model).inc()
             exchange.fail(aborted_by_operator())

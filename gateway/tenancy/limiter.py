@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 from typing import NoReturn
@@ -48,6 +49,9 @@ class TenantLimiter:
         # requests are refused before their bodies are read and counted (no refill can come sooner).
         self._empty_until: dict[str, tuple[float, str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # Each count of in_flight sent to the shared state is stamped when read: the state applies the newest it
+        # has seen, whatever order the writes arrive in.
+        self._stamps = itertools.count(1)
 
     def check(self, tenant: Tenant) -> None:
         """Refuse at once (429) while one of the tenant's budgets is known to be empty."""
@@ -100,7 +104,8 @@ class TenantLimiter:
         if limits.max_concurrent is not None:
             self.in_flight[tenant.name] += 1
         try:
-            decision = await self._state.admit_tenant(tenant.name, budgets, limits.max_concurrent, held_here)
+            decision = await self._state.admit_tenant(tenant.name, budgets, limits.max_concurrent, held_here,
+                                                      next(self._stamps))
         except BaseException as exc:
             self._forget_slot(tenant)
             if isinstance(exc, StateUnavailable):
@@ -120,17 +125,18 @@ class TenantLimiter:
     def finished(self, tenant: Tenant) -> None:
         if tenant.limits.max_concurrent is not None:
             self._forget_slot(tenant)
-            self._spawn(self._state.release_tenant(tenant.name, self.in_flight.get(tenant.name, 0)))
+            self._spawn(self._state.release_tenant(tenant.name, self.in_flight.get(tenant.name, 0),
+                                                   next(self._stamps)))
 
     def charge_output(self, tenant: Tenant, tokens: int) -> None:
         per_min = tenant.limits.output_tokens_per_min
         if per_min and tokens > 0:
             self._spawn(self._state.charge(tenant.name, Budget("output_tokens", per_min, tokens)))
 
-    def concurrency_report(self) -> dict[str, int]:
+    def concurrency_report(self) -> tuple[dict[str, int], int]:
         """This replica's count per tenant, which every sync makes the shared state's truth for this replica (a
-        release or an admit whose answer was lost is corrected there)."""
-        return dict(self.in_flight)
+        release or an admit whose answer was lost is corrected there), and its stamp."""
+        return dict(self.in_flight), next(self._stamps)
 
     async def settle(self, timeout_s: float) -> None:
         """Wait (a little) for releases and charges still on their way to the shared state."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -41,6 +41,7 @@ class FleetReport:
     limits: dict[str, int] = field(default_factory=dict)  # model → prompt-token limit this replica's gate measured
     concurrency: dict[str, int] = field(default_factory=dict)  # tenant → its requests in flight here
     requests: dict[str, int] = field(default_factory=dict)  # request id → its exchanges in flight here
+    seq: int = 0  # when `concurrency` was read (the limiter's stamp): an older count arriving later is ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,20 +52,23 @@ class FleetView:
     limits: dict[str, int]  # model → the lowest limit any live replica measured (its own included)
     disabled: dict[str, bool]  # model → disabled fleet-wide; True: also cancel requests in flight
     aborts: tuple[str, ...]  # request ids some replica asked this one to abort
+    replicas: tuple[str, ...] = ()  # the live replicas (this one included): what a Redis outage shares limits by
 
 
 class FleetState(Protocol):
     replica: str  # this process's id in the fleet
 
     async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
-                           held_here: int = 0) -> TenantDecision:
+                           held_here: int = 0, seq: int = 0) -> TenantDecision:
         """Check every budget and the concurrency cap atomically; charge them all (and take a slot) or none.
         `held_here`: the tenant's other requests this replica holds or is admitting (its share is set, never
-        incremented, so a count can never be applied twice)."""
+        incremented, so a count can never be applied twice); `seq`: when that count was read (increasing per
+        replica): a count older than one already applied is not applied (writes may arrive out of order)."""
         ...
 
-    async def release_tenant(self, tenant: str, held_here: int = 0) -> None:
-        """Give back the concurrency slot an admitted request took; `held_here` is what this replica still holds."""
+    async def release_tenant(self, tenant: str, held_here: int = 0, seq: int = 0) -> None:
+        """Give back the concurrency slot an admitted request took; `held_here` is what this replica still holds,
+        read at `seq`."""
         ...
 
     async def charge(self, tenant: str, budget: Budget) -> None:
@@ -82,8 +86,12 @@ class FleetState(Protocol):
     async def unregister_request(self, request_id: str) -> None: ...
 
     async def request_abort(self, request_id: str) -> list[str]:
-        """Ask every other live replica that has `request_id` in flight to abort it; their ids (none: nobody else
-        has it — the asking replica aborts its own requests itself)."""
+        """Ask every other live replica that has `request_id` in flight to abort it, at once; their ids (none:
+        nobody else has it — the asking replica aborts its own requests itself)."""
+        ...
+
+    def serve_aborts(self, abort: Callable[[str], int]) -> None:
+        """How this replica aborts a request by id when another asks (`abort` says how many it had)."""
         ...
 
     async def api_key_tenant(self, key_hash: str) -> str | None:

@@ -16,9 +16,11 @@ from routing.state.buckets import Bucket, empty, wait_s
 class MemoryState:
     shared = False
 
-    def __init__(self, *, replica: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, replica: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 seed: Callable[[str, Budget, float], float | None] = lambda tenant, budget, now: None) -> None:
         self.replica = replica or uuid.uuid4().hex[:12]
         self._clock = clock
+        self._seed = seed  # a new bucket's level (None: full); a fallback starts from what Redis last said
         self._buckets: dict[tuple[str, str], Bucket] = {}
         self._concurrent: Counter[str] = Counter()
         self._disabled: dict[str, bool] = {}
@@ -27,9 +29,11 @@ class MemoryState:
         self._news = asyncio.Event()
 
     async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
-                           held_here: int = 0) -> TenantDecision:
-        now = self._clock()  # one process: its own count is the truth (held_here is for shared backends)
-        if max_concurrent is not None and self._concurrent[tenant] >= max_concurrent:
+                           held_here: int = 0, seq: int = 0) -> TenantDecision:
+        now = self._clock()
+        # Alone, its own count is the truth; as a Redis fallback, the replica's (held_here) also counts requests
+        # admitted through Redis before the outage.
+        if max_concurrent is not None and max(self._concurrent[tenant], held_here) >= max_concurrent:
             return TenantDecision(False, 1.0, "max_concurrent")
         buckets = [(budget, self._bucket(tenant, budget, now)) for budget in budgets]
         refused = [(wait_s(level, budget.per_min), budget.kind) for budget, level in
@@ -43,7 +47,7 @@ class MemoryState:
             self._concurrent[tenant] += 1
         return TenantDecision(True)
 
-    async def release_tenant(self, tenant: str, held_here: int = 0) -> None:
+    async def release_tenant(self, tenant: str, held_here: int = 0, seq: int = 0) -> None:
         if self._concurrent[tenant] > 0:
             self._concurrent[tenant] -= 1
         if not self._concurrent[tenant]:
@@ -59,12 +63,14 @@ class MemoryState:
         key = (tenant, budget.kind)
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = Bucket(float(budget.per_min), now)
+            seeded = self._seed(tenant, budget, now)
+            bucket = self._buckets[key] = Bucket(float(budget.per_min) if seeded is None else seeded, now)
         return bucket
 
     async def sync(self, report: FleetReport) -> FleetView:
         self._forget_full_buckets()
-        return FleetView(loads_elsewhere={}, limits=dict(report.limits), disabled=dict(self._disabled), aborts=())
+        return FleetView(loads_elsewhere={}, limits=dict(report.limits), disabled=dict(self._disabled), aborts=(),
+                         replicas=(self.replica,))
 
     def _forget_full_buckets(self) -> None:
         """A bucket left alone for a minute is full again, as if it had never been used."""
@@ -89,6 +95,9 @@ class MemoryState:
 
     async def request_abort(self, request_id: str) -> list[str]:
         return []  # no other replica: the caller aborts its own requests itself
+
+    def serve_aborts(self, abort: Callable[[str], int]) -> None:
+        pass  # nobody else asks
 
     async def api_key_tenant(self, key_hash: str) -> str | None:
         return None

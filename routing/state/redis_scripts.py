@@ -15,30 +15,68 @@ local function level_now(key, kind, per_min)
 end
 """
 
+# A replica's slot count for a tenant is stored as "count@seq": seq numbers the moment the replica read its own
+# count (it counts every request it admitted or is admitting then). Writes travel on pooled connections and may
+# reach Redis in another order than they were made, so a write older than the one stored is ignored, and so is one
+# older than the replica's last sync (its floor: the sync set every count the replica had then). A count of 0 stays
+# as a tombstone until the next sync, so an older, higher count arriving late cannot come back.
+SLOTS = """
+local function slot(value)
+  local count, seq = string.match(value, '^(%d+)@(%d+)$')
+  if count then return tonumber(count), tonumber(seq) end
+  return tonumber(value) or 0, 0
+end
+local function put_slot(key, replica, count, seq, floor)
+  if seq < floor then return false end
+  local old = redis.call('HGET', key, replica)
+  if old then
+    local _, old_seq = slot(old)
+    if seq < old_seq then return false end
+  end
+  redis.call('HSET', key, replica, count .. '@' .. string.format('%d', seq))
+  redis.call('EXPIRE', key, 3600)
+  return true
+end
+"""
+
 # Concurrency is a hash per tenant, one field per replica: a replica that died stops counting as soon as its lease
 # in kvgate:replicas lapses (its field is dropped then), so a crash never leaves phantom load.
-#   KEYS: bucket hash, concurrency hash, replicas zset, this replica's set of tenants holding slots
-#   ARGV: replica, max_concurrent (-1: none), n budgets, then n × (kind, per_min, cost), then the tenant and what
-#   this replica already holds of it (its field is set to that, plus one when admitted: never incremented)
-ADMIT = NOW + LEVEL + """
+#   KEYS: bucket hash, concurrency hash, replicas zset, this replica's set of tenants holding slots, its floor
+#   ARGV: replica, max_concurrent (-1: none), n budgets, then n × (kind, per_min, cost), then the tenant, what
+#   this replica already holds of it, and the seq of that count (its field is set to that plus one when admitted:
+#   never incremented, so no count is applied twice)
+# Returns: admitted, retry after, why, what the other live replicas hold of the tenant, each budget's level after.
+ADMIT = NOW + LEVEL + SLOTS + """
 local me = ARGV[1]
 local max_concurrent = tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
 local held_here = tonumber(ARGV[5 + 3 * n])
+local seq = tonumber(ARGV[6 + 3 * n])
+local floor = tonumber(redis.call('GET', KEYS[5]) or '0')
+local elsewhere = 0
+local levels = {}
+local function answer(admitted, wait, why)
+  local out = {admitted, wait, why, tostring(elsewhere)}
+  for i = 0, n - 1 do out[#out + 1] = levels[i] and tostring(levels[i]) or '' end
+  return out
+end
 if max_concurrent >= 0 then
-  local held = held_here
+  -- A count of this replica newer than this admit's already counts it (it was being admitted then).
+  local mine = held_here + 1
   local fields = redis.call('HGETALL', KEYS[2])
   for i = 1, #fields, 2 do
+    local count, at = slot(fields[i + 1])
     local lease = redis.call('ZSCORE', KEYS[3], fields[i])
-    if fields[i] ~= me and lease and tonumber(lease) > now then
-      held = held + tonumber(fields[i + 1])
-    elseif fields[i] ~= me then
+    if fields[i] == me then
+      if at > seq then mine = count end
+    elseif lease and tonumber(lease) > now then
+      elsewhere = elsewhere + count
+    else
       redis.call('HDEL', KEYS[2], fields[i])
     end
   end
-  if held >= max_concurrent then return {0, '1', 'max_concurrent'} end
+  if elsewhere + mine > max_concurrent then return answer(0, '1', 'max_concurrent') end
 end
-local levels = {}
 local wait, why = 0, ''
 for i = 0, n - 1 do
   local kind, per_min = ARGV[4 + 3 * i], tonumber(ARGV[5 + 3 * i])
@@ -49,19 +87,19 @@ for i = 0, n - 1 do
     if w > wait then wait, why = w, kind end
   end
 end
-if why ~= '' then return {0, tostring(wait), why} end
+if why ~= '' then return answer(0, tostring(wait), why) end
 for i = 0, n - 1 do
   local kind, cost = ARGV[4 + 3 * i], tonumber(ARGV[6 + 3 * i])
-  redis.call('HSET', KEYS[1], kind .. ':l', tostring(levels[i] - cost), kind .. ':t', tostring(now))
+  levels[i] = levels[i] - cost
+  redis.call('HSET', KEYS[1], kind .. ':l', tostring(levels[i]), kind .. ':t', tostring(now))
 end
 if n > 0 then redis.call('EXPIRE', KEYS[1], 3600) end
 if max_concurrent >= 0 then
-  redis.call('HSET', KEYS[2], me, held_here + 1)
-  redis.call('EXPIRE', KEYS[2], 3600)
+  put_slot(KEYS[2], me, held_here + 1, seq, floor)
   redis.call('SADD', KEYS[4], ARGV[4 + 3 * n])
   redis.call('EXPIRE', KEYS[4], 3600)
 end
-return {1, '0', ''}
+return answer(1, '0', '')
 """
 
 #   KEYS: bucket hash   ARGV: kind, per_min, cost
@@ -73,17 +111,17 @@ redis.call('EXPIRE', KEYS[1], 3600)
 return 1
 """
 
-#   KEYS: concurrency hash   ARGV: replica, what it still holds of the tenant
-RELEASE = """
-local left = tonumber(ARGV[2])
-if left > 0 then redis.call('HSET', KEYS[1], ARGV[1], left) else redis.call('HDEL', KEYS[1], ARGV[1]) end
-return left
+#   KEYS: concurrency hash, the replica's floor   ARGV: replica, what it still holds of the tenant, that count's seq
+RELEASE = SLOTS + """
+local floor = tonumber(redis.call('GET', KEYS[2]) or '0')
+put_slot(KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), floor)
+return 1
 """
 
 # One replica's heartbeat: renew its lease, publish its loads, concurrency, limits and request registry changes,
-# collect aborts addressed to it, and read the fleet's loads, limits and kill switches.
-#   ARGV: prefix, replica, lease seconds, report (JSON)
-SYNC = NOW + """
+# collect aborts addressed to it, and read the fleet's loads, limits, kill switches and live replicas.
+#   ARGV: prefix, replica, lease seconds, report (JSON, with `seq`: when its concurrency counts were read)
+SYNC = NOW + SLOTS + """
 local p, me, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local report = cjson.decode(ARGV[4])
 local lease_ms = math.ceil(lease * 1000)
@@ -94,20 +132,30 @@ redis.call('DEL', load_key)
 for url, count in pairs(report.loads) do redis.call('HSET', load_key, url, count) end
 redis.call('PEXPIRE', load_key, lease_ms)
 -- This replica's slot counts are what it reports, nothing else: a release or an admit whose answer was lost
--- is corrected here (tenants it no longer reports lose its field).
+-- is corrected here (tenants it no longer reports lose its field), unless a newer count of its own is already
+-- there; a sync older than the last one applied (it timed out, then ran) changes no count.
 local held_key = p .. 'conc_tenants:' .. me
-for _, tenant in ipairs(redis.call('SMEMBERS', held_key)) do
-  if not report.concurrency[tenant] then
-    redis.call('HDEL', p .. 'conc:' .. tenant, me)
-    redis.call('SREM', held_key, tenant)
+local floor_key = p .. 'conc_floor:' .. me
+local seq = tonumber(report.seq or 0)
+if seq >= tonumber(redis.call('GET', floor_key) or '0') then
+  redis.call('SET', floor_key, string.format('%d', seq), 'EX', 3600)
+  for _, tenant in ipairs(redis.call('SMEMBERS', held_key)) do
+    if not report.concurrency[tenant] then
+      local key = p .. 'conc:' .. tenant
+      local old = redis.call('HGET', key, me)
+      local _, at = slot(old or '0')
+      if at <= seq then
+        redis.call('HDEL', key, me)
+        redis.call('SREM', held_key, tenant)
+      end
+    end
   end
+  for tenant, count in pairs(report.concurrency) do
+    put_slot(p .. 'conc:' .. tenant, me, count, seq, 0)
+    redis.call('SADD', held_key, tenant)
+  end
+  redis.call('EXPIRE', held_key, 3600)
 end
-for tenant, count in pairs(report.concurrency) do
-  redis.call('HSET', p .. 'conc:' .. tenant, me, count)
-  redis.call('EXPIRE', p .. 'conc:' .. tenant, 3600)
-  redis.call('SADD', held_key, tenant)
-end
-redis.call('EXPIRE', held_key, 3600)
 local requests_key = p .. 'requests:' .. me
 if report.snapshot then
   -- After a failed sync the changes since were dropped: the registry is replaced by what is in flight now.
@@ -151,23 +199,25 @@ for i = 1, #switches, 2 do disabled[switches[i]] = switches[i + 1] == '1' end
 local aborts_key = p .. 'aborts:' .. me
 local aborts = redis.call('LRANGE', aborts_key, 0, -1)
 redis.call('DEL', aborts_key)
-return cjson.encode({loads = loads, limits = limits, disabled = disabled, aborts = aborts})
+return cjson.encode({loads = loads, limits = limits, disabled = disabled, aborts = aborts, replicas = live})
 """
 
-# Queue an abort for `request_id` on every live replica that has it in flight (a client may reuse an id: all
-# holders are cancelled, never just a decoy).
-#   ARGV: prefix, request id, the asking replica (it aborts its own at once, without a queue)
+# Ask every replica for `request_id`, at once: the question is published to all of them (each that holds the id
+# aborts it and every one replies, see redis_state), and queued for each live replica whose registry has it, which
+# collects it at its next sync should it miss the message (a client may reuse an id: all holders are cancelled).
+#   ARGV: prefix, request id, the asking replica (it aborts its own at once, without a queue), the question (JSON)
+#   Returns: how many replicas heard the question, then the other live replicas whose registry has the id
 ABORT = NOW + """
 local p, id, asking = ARGV[1], ARGV[2], ARGV[3]
-local owners = {}
+local owners = {0}
 for _, replica in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', now, '+inf')) do
   if replica ~= asking and redis.call('HEXISTS', p .. 'requests:' .. replica, id) == 1 then
     redis.call('RPUSH', p .. 'aborts:' .. replica, id)
     redis.call('EXPIRE', p .. 'aborts:' .. replica, 60)
-    redis.call('PUBLISH', p .. 'news', replica)
     owners[#owners + 1] = replica
   end
 end
+owners[1] = redis.call('PUBLISH', p .. 'abort', ARGV[4])
 return owners
 """
 
@@ -179,6 +229,7 @@ redis.call('ZREM', p .. 'replicas', me)
 for _, tenant in ipairs(redis.call('SMEMBERS', p .. 'conc_tenants:' .. me)) do
   redis.call('HDEL', p .. 'conc:' .. tenant, me)
 end
-redis.call('DEL', p .. 'conc_tenants:' .. me, p .. 'load:' .. me, p .. 'requests:' .. me, p .. 'aborts:' .. me)
+redis.call('DEL', p .. 'conc_tenants:' .. me, p .. 'conc_floor:' .. me, p .. 'load:' .. me, p .. 'requests:' .. me,
+           p .. 'aborts:' .. me)
 return 1
 """

@@ -1,6 +1,11 @@
-"""What a Redis outage means: `open` carries on with this replica's own state (local limits, local load, the kill
-switches last seen), `closed` refuses (the caller answers 503). Either way no call waits longer than the Redis
-timeout, an outage is logged once and metered, and the shared state is used again as soon as Redis answers."""
+"""What a Redis outage means: `open` carries on with this replica's own state (its share of each tenant's limits,
+local load, the kill switches last seen), `closed` refuses (the caller answers 503). Either way no call waits longer
+than the Redis timeout, an outage is logged once and metered, and the shared state is used again as soon as Redis
+answers.
+
+Open, each replica takes its share of a tenant's limits (split among the live replicas it last saw: the shares add
+up to the limit): concurrency counts every request the replica already holds, Redis-admitted ones included, and a
+budget starts from its share of what the shared bucket last held here and refills at its share's rate."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from redis.exceptions import RedisError
 from routing.state.base import Budget, FleetReport, FleetView, StateUnavailable, TenantDecision
 from routing.state.memory import MemoryState
 from routing.state.redis_state import RedisState
+from routing.state.shares import seeded_level, share
 
 log = logging.getLogger("kvgate.state")
 
@@ -29,7 +35,7 @@ class ResilientState:
                  on_health: Callable[[bool], None] = lambda up: None,
                  on_error: Callable[[str], None] = lambda operation: None) -> None:
         self.primary = primary
-        self.fallback = MemoryState(replica=primary.replica)
+        self.fallback = self._new_fallback()
         self.replica = primary.replica
         self.on_down = on_down
         self._retry_s = retry_s
@@ -38,6 +44,21 @@ class ResilientState:
         self._on_health = on_health
         self._on_error = on_error
         self._last_view: FleetView | None = None
+
+    def _new_fallback(self) -> MemoryState:
+        return MemoryState(replica=self.primary.replica, seed=self._seed)
+
+    def _seed(self, tenant: str, budget: Budget, now: float) -> float | None:
+        """A fallback bucket (of this replica's share) starts from its share of what Redis last said was left."""
+        last = self.primary.last_levels.get((tenant, budget.kind))
+        if last is None or last[1] <= 0:
+            return None  # never seen here: its whole share
+        level, per_min, at = last
+        return seeded_level(level, at, per_min, budget.per_min, now)
+
+    def _share(self, limit: int) -> int:
+        view = self._last_view
+        return share(limit, view.replicas if view is not None else (), self.replica)
 
     @property
     def up(self) -> bool:
@@ -74,22 +95,35 @@ class ResilientState:
         if self._down_since is not None:
             log.warning("shared state (Redis) answers again after %.1fs", time.monotonic() - self._down_since)
             self._down_since = None
+            self.fallback = self._new_fallback()  # the next outage starts from what Redis says then
             self._on_health(True)
 
     async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
-                           held_here: int = 0) -> TenantDecision:
+                           held_here: int = 0, seq: int = 0) -> TenantDecision:
         return await self._call("admit", lambda: self.primary.admit_tenant(tenant, budgets, max_concurrent,
-                                                                           held_here),
-                                lambda: self.fallback.admit_tenant(tenant, budgets, max_concurrent))
+                                                                           held_here, seq),
+                                lambda: self._admit_alone(tenant, budgets, max_concurrent, held_here))
 
-    async def release_tenant(self, tenant: str, held_here: int = 0) -> None:
+    async def _admit_alone(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
+                           held_here: int) -> TenantDecision:
+        """This replica's share of each limit, with what it already holds counted (its own count, not the
+        fallback's: requests admitted through Redis before the outage hold their slots too)."""
+        shared = [Budget(b.kind, self._share(b.per_min), b.cost) for b in budgets]
+        for budget in shared:
+            if budget.per_min <= 0:  # no share of this budget for this replica while the fleet is apart
+                return TenantDecision(False, self._retry_s, budget.kind)
+        cap = None if max_concurrent is None else self._share(max_concurrent)
+        return await self.fallback.admit_tenant(tenant, shared, cap, held_here)
+
+    async def release_tenant(self, tenant: str, held_here: int = 0, seq: int = 0) -> None:
         # A slot may have been taken from the fallback during an outage: given back there too (floored at zero).
         await self.fallback.release_tenant(tenant)
-        await self._call("release", lambda: self.primary.release_tenant(tenant, held_here), _nothing)
+        await self._call("release", lambda: self.primary.release_tenant(tenant, held_here, seq), _nothing)
 
     async def charge(self, tenant: str, budget: Budget) -> None:
         await self._call("charge", lambda: self.primary.charge(tenant, budget),
-                         lambda: self.fallback.charge(tenant, budget))
+                         lambda: self.fallback.charge(tenant, Budget(budget.kind, max(1, self._share(budget.per_min)),
+                                                                     budget.cost)))
 
     async def sync(self, report: FleetReport) -> FleetView:
         async def remembered() -> FleetView:
@@ -102,7 +136,8 @@ class ResilientState:
             view = await self.fallback.sync(report)
             last = self._last_view
             return view if last is None else FleetView(view.loads_elsewhere, view.limits,
-                                                       {**last.disabled, **view.disabled}, view.aborts)
+                                                       {**last.disabled, **view.disabled}, view.aborts,
+                                                       last.replicas)
 
         # The sync is the probe that finds Redis back: it always tries, whatever the backoff says.
         self._next_try = 0.0
@@ -119,6 +154,9 @@ class ResilientState:
 
     async def request_abort(self, request_id: str) -> list[str]:
         return await _for_operator(self.primary.request_abort(request_id))
+
+    def serve_aborts(self, abort: Callable[[str], int]) -> None:
+        self.primary.serve_aborts(abort)
 
     async def api_key_tenant(self, key_hash: str) -> str | None:
         async def unknown() -> str | None:

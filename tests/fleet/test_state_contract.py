@@ -142,11 +142,14 @@ def test_two_replicas_share_load_limits_and_slots_and_a_dead_ones_lapse(server: 
             assert view.loads_elsewhere == {"http://w1": 5}  # b's load, not a's own
             assert view.limits == {"m": 900}  # the lowest any live replica measured
             assert not (await a.admit_tenant("t", [], 2, held_here=0)).admitted  # b holds both slots
+            aborted: list[str] = []
+            b.serve_aborts(lambda request_id: aborted.append(request_id) or 1)
             await b.register_request("req-b")
             await b.sync(FleetReport(concurrency={"t": 2}))
+            await _listening(server, 2)
             assert await a.request_abort("req-b") == [b.replica]
-            assert (await b.sync(FleetReport(concurrency={"t": 2}))).aborts == ("req-b",)
-            assert (await b.sync(FleetReport(concurrency={"t": 2}))).aborts == ()  # delivered once
+            assert aborted == ["req-b"]  # answered at once, by pub/sub
+            assert (await b.sync(FleetReport(concurrency={"t": 2}))).aborts == ()  # and not again at the sync
             # b dies (stops syncing): after its lease, none of its load, limits or slots count
             started = time.monotonic()
             while time.monotonic() - started < 1.5:
@@ -160,6 +163,15 @@ def test_two_replicas_share_load_limits_and_slots_and_a_dead_ones_lapse(server: 
             await b.close()
 
     asyncio.run(scenario())
+
+
+async def _listening(server: RedisServer, replicas: int) -> None:
+    """Until `replicas` replicas listen for aborts (each starts listening at its first sync)."""
+    client = server.client()
+    deadline = time.monotonic() + 5
+    while dict(client.pubsub_numsub("kvgate:abort")).get(b"kvgate:abort", 0) < replicas:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
 
 
 def test_each_sync_makes_a_replicas_own_slot_count_the_truth(server: RedisServer) -> None:
