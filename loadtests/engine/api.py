@@ -277,10 +277,50 @@ class GenerationAPI:
         elif fault.action == "drop":
             rec.finish(ERROR, None, "connection dropped by fault")
             req.conn.abort()
+        elif fault.action == "huge":
+            rec.finish(ERROR, 200, "huge answer by fault")
+            await _write_huge(req, fault.size, stream)
+        elif fault.action == "abort_object":
+            rec.finish(ABORTED, 200, fault.message)
+            finish = {"type": "abort", "message": fault.message, "status_code": fault.status}
+            if req.path == "/generate":
+                answer: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {"id": rec.rid,
+                                                                                    "finish_reason": finish}}
+            else:
+                key = "delta" if stream else ("message" if "chat" in req.path else "text")
+                value: Any = {"delta": {}, "message": {"role": "assistant", "content": ""}, "text": ""}[key]
+                answer = {"id": rec.rid, "object": "chat.completion", "model": self.cfg.model,
+                          "choices": [{"index": 0, key: value, "finish_reason": finish}]}
+            if stream:
+                req.start_stream()
+                if req.send_chunk(sse(answer) + _DONE):
+                    req.end_stream()
+            else:
+                req.respond(200, orjson.dumps(answer))
         elif fault.action == "hang":
             await req.wait_closed()
             rec.connection_closed = req.conn.closed_at
             rec.finish(CLIENT_DISCONNECTED, None)
+
+
+async def _write_huge(req: Request, size: int, stream: bool) -> None:
+    """`size` bytes in 1 MiB chunks, written as the peer reads them (never more than 4 MiB buffered here): streamed,
+    `data: {"text": "xxx…` with no blank line ever; else a JSON body sent chunked (no length to refuse it by)."""
+    req.start_stream(content_type=b"text/event-stream" if stream else b"application/json")
+    piece = b"x" * (1 << 20)
+    head = b'data: {"text": "' if stream else b'{"text": "'
+    sent = 0
+    transport = req.conn.transport
+    while sent < size:
+        chunk = head + piece[:min(len(piece), size - sent) - len(head)] if sent == 0 else piece[:size - sent]
+        if not req.send_chunk(chunk):
+            return
+        sent += len(chunk)
+        while transport is not None and transport.get_write_buffer_size() > 4 << 20 and req.conn.closed_at is None:
+            await asyncio.sleep(0.002)
+    if not stream:
+        req.send_chunk(b'"}')
+    req.end_stream()
 
 
 _ABORT_FINISH = {"type": "abort", "message": "Abort by /abort_request", "status_code": None, "err_type": None}
