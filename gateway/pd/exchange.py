@@ -375,6 +375,11 @@ class PDExchange:
         return self.output.events
 
     @property
+    def output_bytes(self) -> int:
+        """Decode payload bytes released to the relay (the prompt's logprobs included, when merged)."""
+        return self._release.released_bytes
+
+    @property
     def predicted_cached(self) -> int | None:
         """Prompt tokens the cache-aware pick expected the prefill to hold (None: no prediction made)."""
         return self._lease.predicted_cached
