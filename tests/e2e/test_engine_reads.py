@@ -92,3 +92,19 @@ def test_a_finish_reason_abort_object_in_an_openai_choice_is_never_a_200(
     response = httpx.post(gateway.url + path, json=body, timeout=30)
     assert response.status_code == 502, response.text
     assert response.json()["error"]["code"] == f"{half}_failed"
+
+
+@pytest.mark.parametrize("half", ["decode", "prefill"])
+def test_the_caps_are_the_models_own(glm_pair: EnginePair, tmp_path: Path, half: str) -> None:
+    """200 kB is far below the defaults (a 200 kB event without its end is merely broken); under caps of 64 KiB
+    it is too large."""
+    reset(glm_pair.prefill, glm_pair.decode)
+    entry = model_entry("glm-5", [glm_pair.prefill], [glm_pair.decode],
+                        limits={"engine_event_bytes": 65536, "engine_answer_bytes": 65536})
+    with running_gateway(write_config(tmp_path, [entry], timeouts={"first_token_s": 5.0})) as gateway:
+        ordinary = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30)
+        assert ordinary.status_code == 200 and ordinary.text.endswith("data: [DONE]\n\n")
+        inject(getattr(glm_pair, half), action="huge", size=200_000, rid_prefix="kvg-", count=1)
+        response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        assert response.status_code == 502 and response.json()["error"]["code"] == f"{half}_answer_too_large"
+    reset(glm_pair.prefill, glm_pair.decode)
