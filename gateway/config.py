@@ -184,6 +184,12 @@ class LimitsConfig(_Strict):
                                                                          "no limit)")
     max_queue: int = Field(1024, ge=0, description="requests waiting for a worker with room")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue")
+    # What the gateway reads of an engine's answer: a cap is an engine's fault (502, counted against its breaker).
+    # Prompt logprobs take ~26-40 bytes a token (more with input top logprobs), so 32 MiB holds a prefill's answer
+    # with the logprobs of a ~1M-token prompt; a /generate event is cumulative: 8 MiB holds ~200k output tokens with
+    # their logprobs. Raise them for top logprobs on long prompts or outputs.
+    engine_event_bytes: int = Field(8 << 20, ge=1024, description="one streamed engine event (decode's)")
+    engine_answer_bytes: int = Field(32 << 20, ge=1024, description="one whole engine answer (prefill's body)")
 
 
 class BreakerConfig(_Strict):

@@ -8,6 +8,10 @@ on a keep-alive connection. For each body it prints the answer's status and time
 meanwhile; the last line (read by tools) is `healthz_p99_ms=… healthz_max_ms=… bodies=…`. Targets: p99 ≤ 10 ms,
 max ≤ 50 ms.
 
+Then the engine side: a decode that streams one 50 MB event without a blank line, and a prefill answering a 50 MB
+body (`--engine-mb`), each to an ordinary chat: the request must get 502 (the gateway reads up to the model's
+`limits.engine_event_bytes` / `engine_answer_bytes`), with the same /healthz targets meanwhile.
+
     python -m loadtests.loop_bench                 # every case at 64 MiB (~2 minutes on 2 cores)
     python -m loadtests.loop_bench --max-mib 8     # quicker
 """
@@ -199,20 +203,62 @@ def measure(port: int, size: int, *, only: set[str] | None = None,
     return all_latencies, statuses
 
 
+ENGINE_CASES = (("decode_huge_event", "decode"), ("prefill_huge_body", "prefill"))
+
+
+def measure_engine_side(port: int, pair: EnginePair, size: int, *, only: set[str] | None = None,
+                        report: Callable[[str], None] = print) -> tuple[list[float], list[tuple[str, int]]]:
+    """Each engine case (the emulator's `huge` fault on one half) under an ordinary chat, while probing."""
+    all_latencies: list[float] = []
+    statuses: list[tuple[str, int]] = []
+    chat = b'{"model":"glm-5","max_tokens":4,"messages":[{"role":"user","content":"Hello"}]}'
+    probe = Probe("127.0.0.1", port)
+    cases: list[tuple[str, int, float, float, bytes]] = []
+    with probe.running():
+        for name, role in ENGINE_CASES:
+            if only and name not in only:
+                continue
+            engine = pair.prefill if role == "prefill" else pair.decode
+            host, engine_port = engine.url.rsplit("/", 1)[1].split(":")
+            fault = b'{"action":"huge","size":%d,"rid_prefix":"kvg-","count":1}' % size
+            assert post(host, int(engine_port), "/emu/faults", fault)[0] == 200
+            start = time.monotonic()
+            status, answer = post("127.0.0.1", port, "/v1/chat/completions", chat)
+            end = time.monotonic()
+            cases.append((name, status, start, end, answer))
+            time.sleep(0.3)  # the engine still writing into a closed connection, then the aborts
+    for name, status, start, end, answer in cases:
+        lat = probe.window(start, end + 0.3)
+        all_latencies.extend(lat)
+        statuses.append((name, status))
+        report(f"{name:28s} {size / 1e6:7.1f} MB  -> {status} in {end - start:6.2f}s   /healthz "
+               f"n={len(lat):4d} p50={1000 * percentile(lat, 50):5.1f}ms p99={1000 * percentile(lat, 99):5.1f}ms "
+               f"max={1000 * max(lat, default=float('nan')):6.1f}ms   {answer[:70]!r}")
+    return all_latencies, statuses
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.loop_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--max-mib", type=float, default=64.0, help="size of each worst-case body (MiB)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these cases")
+    parser.add_argument("--engine-mb", type=float, default=50.0, help="size of the engine-side cases' answers (MB)")
     args = parser.parse_args(argv)
     size = int(args.max_mib * 2**20)
     with tempfile.TemporaryDirectory() as tmp, \
             start_pair(prefill_pool=4096, decode_pool=4608, context_length=8192, model="glm-5", bug=True) as pair:
         config, port = write_config(Path(tmp), pair, max_body_bytes=size + 1024)
+        only = set(args.only) if args.only else None
         with running_gateway_process(config, port):
-            latencies, statuses = measure(port, size, only=set(args.only) if args.only else None)
+            latencies, statuses = measure(port, size, only=only)
+            engine_latencies, engine_statuses = measure_engine_side(port, pair, int(args.engine_mb * 1e6), only=only)
+    if engine_statuses:
+        print(f"engine_healthz_p99_ms={1000 * percentile(engine_latencies, 99):.1f} "
+              f"engine_healthz_max_ms={1000 * max(engine_latencies):.1f} "
+              f"engine_statuses={','.join(str(status) for _, status in engine_statuses)}")
+    latencies += engine_latencies
     print(f"healthz_p99_ms={1000 * percentile(latencies, 99):.1f} healthz_max_ms={1000 * max(latencies):.1f} "
-          f"bodies={len(statuses)}")
-    return 0
+          f"bodies={len(statuses)} engine_cases={len(engine_statuses)}")
+    return 0 if all(status == 502 for _, status in engine_statuses) else 1
 
 
 if __name__ == "__main__":

@@ -57,13 +57,13 @@ class FakeStream:
     def __init__(self, half: FakeHalf) -> None:
         self._half = half
 
-    async def body(self) -> bytes:
+    async def body(self, max_bytes: int = 1 << 62) -> bytes:
         parts = []
         async for part in self._read():
             parts.append(part)
         return b"".join(parts)
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self, max_event_bytes: int = 1 << 62) -> AsyncIterator[bytes]:
         async for part in self._read():
             yield part
 

@@ -6,7 +6,13 @@ import re
 from dataclasses import dataclass
 
 from gateway.errors import GatewayError
-from routing.engines.errors import EngineChanged, EngineError, EngineRejected, EngineTimeout
+from routing.engines.errors import (
+    EngineAnswerTooLarge,
+    EngineChanged,
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+)
 
 # How SGLang's decode words a failure of the bootstrap or the KV transfer from its prefill.
 _TRANSFER_FAILURE = re.compile(r"(?i)bootstrap|transfer|prefill")
@@ -29,8 +35,8 @@ class PromptCountMismatch(Exception):
 
 def map_engine_error(error: EngineError) -> GatewayError:
     """Engine failures → client statuses: 400 stays 400 (413 for a length rejection), a changed worker 503, other
-    rejections, broken or unreachable connections 502, timeouts 504. Never 200. The client reads the role, not the
-    worker's address; the whole message goes to the access log."""
+    rejections, broken or unreachable connections and answers over the read caps 502, timeouts 504. Never 200.
+    The client reads the role, not the worker's address; the whole message goes to the access log."""
     role = error.role
     match error:
         case EngineTimeout():
@@ -43,6 +49,8 @@ def map_engine_error(error: EngineError) -> GatewayError:
             status, code = 400, f"{role}_bad_request"
         case EngineRejected(status=429):
             status, code = 503, f"{role}_overloaded"
+        case EngineAnswerTooLarge():  # the engine's fault: blamed on it like a broken connection
+            status, code = 502, f"{role}_answer_too_large"
         case _:
             status, code = 502, f"{role}_failed"
     return GatewayError(status, error.public_message, code=code, detail=str(error))

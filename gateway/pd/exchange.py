@@ -332,7 +332,7 @@ class PDExchange:
         response: EngineStream | None = None
         try:
             response = await link.generate(self.admitted.route, body, self.plan.engine_headers)
-            payload = await response.body()
+            payload = await response.body(self.plan.engine_answer_bytes)
             self._settle_prefill()
             result = parse_result("prefill", payload)
             self._verify_count("prefill", worker, reported_prompt_tokens(self.admitted.route, result), expected)
@@ -375,6 +375,11 @@ class PDExchange:
         return self.output.events
 
     @property
+    def output_bytes(self) -> int:
+        """Decode payload bytes released to the relay (the prompt's logprobs included, when merged)."""
+        return self._release.released_bytes
+
+    @property
     def predicted_cached(self) -> int | None:
         """Prompt tokens the cache-aware pick expected the prefill to hold (None: no prediction made)."""
         return self._lease.predicted_cached
@@ -385,7 +390,7 @@ class PDExchange:
         response: EngineStream | None = None
         try:
             response = await link.generate(self.admitted.route, body, self.plan.engine_headers)
-            async for data in response.events():
+            async for data in response.events(self.plan.engine_event_bytes):
                 self._watchdog.touch()
                 if self.state.decode is Decode.SAID_DONE:
                     raise EngineBroken("decode", "decode sent an event after [DONE]")

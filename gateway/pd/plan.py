@@ -45,6 +45,8 @@ class ExchangePlan:
     engine_headers: tuple[tuple[bytes, bytes], ...] = ()  # e.g. the trace context, on both engine requests
     plausibility: TTFTPlausibility | None = None
     cache_salt: str | None = None  # the engines' prefix-cache namespace (SGLang's extra_key): the tenant's
+    engine_event_bytes: int = 8 << 20  # the most the gateway reads of one decode event
+    engine_answer_bytes: int = 32 << 20  # the most the gateway reads of prefill's answer
 
     @property
     def release_verified(self) -> bool:

@@ -19,18 +19,24 @@ class VerifiedRelease:
         self._state = state
         self._waits_for_prefill = plan.waits_for_prefill
         self._verified = plan.release_verified
+        self._stream = plan.admitted.stream
         self._held: list[bytes] = []
         self._released = False
         self._done = False
-        # /generate with return_logprob: only the prefill has the prompt's logprobs; they are prepended to every
-        # decode event's, as SGLang's router does (merge_logprobs_in_json), so decode waits for prefill's answer.
+        self.released_bytes = 0  # decode payload bytes handed to the relay, prompt logprobs included
+        # /generate with return_logprob: only the prefill has the prompt's logprobs; they are prepended to decode's
+        # own list (SGLang's router: merge_logprobs_in_json), so decode waits for prefill's answer. Once: in a
+        # stream's first event that has the list (SGLang's scheduler, too, sends them once: input_logprob_sent), or
+        # in a whole answer's last event (what the relay answers). Never into every cumulative event: a long
+        # prompt's list spliced into each of them multiplied the output by the number of events.
         self.prompt_logprobs: list[Any] | None = None
-        self._prompt_logprobs_json: bytes | None = None
+        self._prompt_logprobs_merged = False
+        self._last: bytes | None = None  # a whole answer's latest event, held back to carry the prompt's logprobs
 
     def offer(self, payload: bytes) -> bool:
         """A checked decode event: out at once once released, else held (True: the caller may `advance`)."""
         if self._released:
-            self._events.put_nowait(self._merged(payload))
+            self._out(payload)
             return False
         self._held.append(payload)
         return True
@@ -43,6 +49,7 @@ class VerifiedRelease:
     def drop(self) -> None:
         """The exchange failed: nothing held may ever go out."""
         self._held.clear()
+        self._last = None
 
     def advance(self) -> None:
         """Release what may go out now, and `Done` once decode finished and prefill answered (the caller checks that
@@ -52,22 +59,38 @@ class VerifiedRelease:
                                    or (state.prefill_ok and (state.decode_counted or not self._verified))):
             self._released = True
             for payload in self._held:
-                self._events.put_nowait(self._merged(payload))
+                self._out(payload)
             self._held.clear()
         if self._released and state.decode_finished and state.prefill_ok and not self._done:
             self._done = True
+            if self._last is not None:
+                self._put(self._merge_once(self._last))
+                self._last = None
             self._events.put_nowait(Done())
 
-    def _merged(self, payload: bytes) -> bytes:
-        """A decode event with the prefill's prompt logprobs in front of its own (only when asked for). The prompt's
-        list is encoded once and spliced in: every streamed event carries it, and it may be long."""
-        if self.prompt_logprobs is None:
-            return payload
-        if self._prompt_logprobs_json is None:
-            self._prompt_logprobs_json = orjson.dumps(self.prompt_logprobs)[1:-1]
+    def _out(self, payload: bytes) -> None:
+        if self.prompt_logprobs is None or self._prompt_logprobs_merged:
+            self._put(payload)
+        elif self._stream:
+            self._put(self._merge_once(payload))
+        else:  # the relay answers with the last event: the one before it goes out as it is
+            if self._last is not None:
+                self._put(self._last)
+            self._last = payload
+
+    def _put(self, payload: bytes) -> None:
+        self.released_bytes += len(payload)
+        self._events.put_nowait(payload)
+
+    def _merge_once(self, payload: bytes) -> bytes:
+        """The event with the prefill's prompt logprobs in front of its own list, if it has one (then no later
+        event gets them)."""
         found = INPUT_LOGPROBS.search(payload)
-        if found is None or not self._prompt_logprobs_json:
-            return payload  # the engine sent no list to extend (or there is nothing to add)
+        if found is None or self.prompt_logprobs is None:
+            return payload  # the engine sent no list to extend: the next event may
+        self._prompt_logprobs_merged = True
+        if not self.prompt_logprobs:
+            return payload
         at = found.end()
         glue = b"" if payload[at:at + 1] == b"]" else b","
-        return payload[:at] + self._prompt_logprobs_json + glue + payload[at:]
+        return payload[:at] + orjson.dumps(self.prompt_logprobs)[1:-1] + glue + payload[at:]

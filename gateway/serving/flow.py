@@ -113,7 +113,9 @@ class Flow:
         return ExchangePlan(admitted, timeouts=self.config.timeouts, release=model.config.release,
                             retries=Retries(model.config.routing.retries, repick, self.retry_budget),
                             engine_headers=engine_headers(record.engine_traceparent, record.request_id),
-                            plausibility=model.plausibility, cache_salt=salt)
+                            plausibility=model.plausibility, cache_salt=salt,
+                            engine_event_bytes=model.config.limits.engine_event_bytes,
+                            engine_answer_bytes=model.config.limits.engine_answer_bytes)
 
 
 async def _acquire(model: ServedModel, key: RouteKey) -> Lease:

@@ -98,6 +98,9 @@ class GatewayMetrics:
         self.retries = Counter("kvgate_retries", "Requests moved to another pair before anything reached an engine",
                                ["model"], registry=r)
         # ── cache-aware routing: predicted against what the engines report ─────────────────────────────────────
+        self.output_bytes = Counter("kvgate_output_bytes", "Decode payload bytes released to clients (prompt logprobs "
+                                    "merged in included): what a tenant's answers cost to carry", ["model"],
+                                    registry=r)
         self.routed_prompt_tokens = Counter("kvgate_prefilled_prompt_tokens", "Prompt tokens of requests whose "
                                             "prefill answered (the denominator of the two below)", ["model"],
                                             registry=r)

@@ -48,6 +48,7 @@ def observe_exchange(metrics: GatewayMetrics, exchange: PDExchange) -> None:
         last = exchange.decode_closed_at or end
         if exchange.output_events > 1:
             metrics.inter_token.labels(model).observe((last - exchange.first_token_at) / (exchange.output_events - 1))
+    metrics.output_bytes.labels(model).inc(exchange.output_bytes)
     if outcome != "ok":
         metrics.cancellations.labels(model, outcome).inc()
     if exchange.implausible_ttft:
@@ -84,7 +85,8 @@ def _access_fields(record: RequestRecord, model: str, status: int) -> dict[str, 
         fields["error_code"] = record.refused.code
     if exchange is not None:
         fields.update(rid=exchange.rid, prompt_tokens=exchange.prompt_tokens, prefill=exchange.pair.prefill.url,
-                      decode=exchange.pair.decode.url, outcome=exchange.outcome, retries=exchange.retries_made)
+                      decode=exchange.pair.decode.url, outcome=exchange.outcome, retries=exchange.retries_made,
+                      output_bytes=exchange.output_bytes)
         if exchange.first_token_at is not None:
             fields["ttft_ms"] = round((exchange.first_token_at - exchange.started_at) * 1000, 1)
     failure = exchange.failure.error if exchange is not None and exchange.failure is not None else record.refused

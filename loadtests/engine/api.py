@@ -84,8 +84,8 @@ class GenerationAPI:
                 extra_first_delay = fault.delay_ms / 1000
             elif fault.action == "miscount":
                 prompt_offset = fault.offset
-            elif fault.action == "bad_chunk" and spec.stream:
-                pass  # run normally; the corrupt event goes out just before the end
+            elif (fault.action == "bad_chunk" and spec.stream) or fault.action == "abort_object":
+                pass  # run normally; the corrupt event goes out just before the end, the abort once tokenized
             elif fault.action != "drop" or not spec.stream or fault.after_chunks <= 0:
                 await self._apply_fault(req, fmt, rec, fault, spec.stream)
                 return
@@ -96,6 +96,9 @@ class GenerationAPI:
             req.respond(e.status, fmt.error_body(e.status, e.message, e.err_type))
             return
         rec.prompt_tokens = len(ids)
+        if fault is not None and fault.action == "abort_object":
+            self._abort_object(req, rec, fault, spec.stream, len(ids))
+            return
         gen = Gen(rec, ids, spec.max_new, fmt.default_max_new, host, port, room if isinstance(room, int) else None)
         gen.prompt_offset = prompt_offset
         gen.hide_stub = self.cfg.hide_stub
@@ -245,6 +248,29 @@ class GenerationAPI:
             return True
         return False
 
+    def _abort_object(self, req: Request, rec: ReqRecord, fault: Fault, stream: bool, prompt_tokens: int) -> None:
+        """An abort as FINISH_ABORT's object in the finish reason, with the prompt counted right: nothing else in the
+        answer gives it away."""
+        rec.finish(ABORTED, 200, fault.message)
+        finish = {"type": "abort", "message": fault.message, "status_code": fault.status}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+        answer: dict[str, Any]
+        if req.path == "/generate":
+            answer = {"text": "", "output_ids": [], "meta_info": {"id": rec.rid, "finish_reason": finish,
+                                                                  "prompt_tokens": prompt_tokens,
+                                                                  "completion_tokens": 0}}
+        else:
+            key = "delta" if stream else ("message" if "chat" in req.path else "text")
+            value: Any = {"delta": {}, "message": {"role": "assistant", "content": ""}, "text": ""}[key]
+            answer = {"id": rec.rid, "object": "chat.completion", "model": self.cfg.model, "usage": usage,
+                      "choices": [{"index": 0, key: value, "finish_reason": finish}]}
+        if stream:
+            req.start_stream()
+            if req.send_chunk(sse(answer) + _DONE):
+                req.end_stream()
+        else:
+            req.respond(200, orjson.dumps(answer))
+
     def _finish_reason(self, gen: Gen) -> dict[str, Any]:
         if self.cfg.role == "prefill":
             return {"type": "length", "length": 0}
@@ -277,10 +303,33 @@ class GenerationAPI:
         elif fault.action == "drop":
             rec.finish(ERROR, None, "connection dropped by fault")
             req.conn.abort()
+        elif fault.action == "huge":
+            rec.finish(ERROR, 200, "huge answer by fault")
+            await _write_huge(req, fault.size, stream)
         elif fault.action == "hang":
             await req.wait_closed()
             rec.connection_closed = req.conn.closed_at
             rec.finish(CLIENT_DISCONNECTED, None)
+
+
+async def _write_huge(req: Request, size: int, stream: bool) -> None:
+    """`size` bytes in 1 MiB chunks, written as the peer reads them (never more than 4 MiB buffered here): streamed,
+    `data: {"text": "xxx…` with no blank line ever; else a JSON body sent chunked (no length to refuse it by)."""
+    req.start_stream(content_type=b"text/event-stream" if stream else b"application/json")
+    piece = b"x" * (1 << 20)
+    head = b'data: {"text": "' if stream else b'{"text": "'
+    sent = 0
+    transport = req.conn.transport
+    while sent < size:
+        chunk = head + piece[:min(len(piece), size - sent) - len(head)] if sent == 0 else piece[:size - sent]
+        if not req.send_chunk(chunk):
+            return
+        sent += len(chunk)
+        while transport is not None and transport.get_write_buffer_size() > 4 << 20 and req.conn.closed_at is None:
+            await asyncio.sleep(0.002)
+    if not stream:
+        req.send_chunk(b'"}')
+    req.end_stream()
 
 
 _ABORT_FINISH = {"type": "abort", "message": "Abort by /abort_request", "status_code": None, "err_type": None}

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                    help="SGLANG_EXPOSE_OWN_ENV_VARS=1 (0.5.22+): list the --env variables in server info")
     p.add_argument("--report-pool-tokens", type=int, default=None,
                    help="claim this KV pool in /server_info (a lying engine, to test what catches a leak anyway)")
+    p.add_argument("--dp-rank-pool-tokens", type=int, action="append", default=[],
+                   help="a further data-parallel rank with this KV pool (repeatable): internal_states[1:] report "
+                        "each rank's token capacity, the top level rank 0's")
     p.add_argument("--hide-stub", action=argparse.BooleanOptionalAction, default=False,
                    help="bug mode: the one-token stub reports the original prompt's count (a lying engine)")
     p.add_argument("--cache-tokens", type=int, default=None,
@@ -106,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         request_log_size=a.request_log_size, transfer_backend=a.transfer_backend,
         enable_kv_checksum=a.enable_kv_checksum, decode_allocation_policy=a.decode_allocation_policy,
         expose_env_vars=a.expose_env_vars, env=tuple(env), report_pool_tokens=a.report_pool_tokens,
-        hide_stub=a.hide_stub, default_chat_template_kwargs=a.default_chat_template_kwargs,
+        dp_rank_pool_tokens=tuple(a.dp_rank_pool_tokens), hide_stub=a.hide_stub,
+        default_chat_template_kwargs=a.default_chat_template_kwargs,
         cache_tokens=a.cache_tokens, kv_events_config=a.kv_events_config, enable_cache_report=a.enable_cache_report,
         num_reserved_decode_tokens=a.num_reserved_decode_tokens)
 

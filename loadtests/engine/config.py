@@ -42,6 +42,9 @@ class EngineConfig:
     expose_env_vars: bool = False  # SGLANG_EXPOSE_OWN_ENV_VARS=1: internal_states[*].env_vars lists `env`
     env: tuple[tuple[str, str], ...] = ()  # environment variables set explicitly (SGLANG_* only are reported)
     report_pool_tokens: int | None = None  # a lying engine (tests of the integrity guards): server info claims it
+    # Pools of further data-parallel ranks (SGLang: one scheduler per rank, each with its own pool; server info's
+    # top level is rank 0's, internal_states[i].memory_usage.token_capacity rank i's). Reported, not enforced.
+    dp_rank_pool_tokens: tuple[int, ...] = ()
     hide_stub: bool = False  # a lying engine: a bug-mode stub reports the original prompt's token count
     default_chat_template_kwargs: dict[str, Any] | None = None  # --default-chat-template-kwargs (0.5.22+)
     cache_tokens: int | None = None  # prefix-cache capacity (--cache-tokens); None: the pool's size

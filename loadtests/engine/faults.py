@@ -19,6 +19,8 @@ ACTIONS = {
     "miscount": "generation",  # run normally but report prompt_tokens off by `offset`
     "error_body": "generation",  # SGLang's OpenAI error object under `status` (in a stream: an event, HTTP 200)
     "bad_chunk": "generation",  # a stream whose last event before the end is not JSON (a corrupt chunk)
+    "huge": "generation",  # HTTP 200 and `size` bytes: streamed, one event that never ends; else a chunked JSON body
+    "abort_object": "generation",  # HTTP 200, a choice (or meta_info) whose finish_reason is {"type": "abort", ...}
     "health": "health",  # /health and /health_generate answer `status` (default 503)
     "refuse_bootstrap": "bootstrap",  # the prefill's bootstrap server refuses KV handshakes
 }
@@ -42,6 +44,7 @@ class Fault:
     message: str = "Injected fault"
     offset: int = 0
     code: int = 500
+    size: int = 0
     id: int = field(default_factory=lambda: next(_ids))
     hits: int = 0
 
@@ -50,13 +53,13 @@ class Fault:
         if not isinstance(d, dict) or d.get("action") not in ACTIONS:
             raise FaultError(f"fault needs 'action' in {sorted(ACTIONS)}")
         known = {"action", "status", "delay_ms", "after_chunks", "path", "rid_prefix", "count", "message", "offset",
-                 "code"}
+                 "code", "size"}
         unknown = set(d) - known
         if unknown:
             raise FaultError(f"unknown fault fields: {sorted(unknown)}")
         f = cls(**d)
-        if any(not isinstance(v, int) or isinstance(v, bool) for v in (f.offset, f.code, f.status)):
-            raise FaultError("'offset', 'code' and 'status' must be integers")
+        if any(not isinstance(v, int) or isinstance(v, bool) for v in (f.offset, f.code, f.status, f.size)):
+            raise FaultError("'offset', 'code', 'status' and 'size' must be integers")
         if "status" not in d:
             f.status = _DEFAULT_STATUS.get(f.action, f.status)
         return f

@@ -36,7 +36,8 @@ def server_args(cfg: EngineConfig, tokenizer_path: str) -> dict[str, Any]:
         "host": cfg.host, "port": cfg.port, "context_length": cfg.context_length, "page_size": cfg.page_size,
         "max_total_tokens": cfg.pool_tokens, "max_running_requests": None, "max_queued_requests": None,
         "chunked_prefill_size": None, "max_prefill_tokens": 16384, "mem_fraction_static": None,
-        "allow_auto_truncate": False, "tp_size": 1, "dp_size": 1, "pp_size": 1, "load_balance_method": "round_robin",
+        "allow_auto_truncate": False, "tp_size": 1, "dp_size": 1 + len(cfg.dp_rank_pool_tokens), "pp_size": 1,
+        "load_balance_method": "round_robin",
         "disaggregation_mode": cfg.role, "disaggregation_bootstrap_port": cfg.bootstrap_port,
         "disaggregation_transfer_backend": backend, "disaggregation_decode_tp": None,
         "disaggregation_decode_dp": None, "disaggregation_ib_device": None,
@@ -96,11 +97,10 @@ class InfoAPI:
             pool.free(pages, 1)
         req.respond(200, b"", TEXT)
 
-    def _internal_state(self) -> dict[str, Any]:
+    def _internal_state(self, pool_tokens: int) -> dict[str, Any]:
         cfg = self.cfg
         state = {**server_args(cfg, self.engine.tok.path), "last_gen_throughput": self.engine.gen_throughput(),
-                 "memory_usage": {"weight": 0.0, "kvcache": 0.0, "token_capacity": cfg.max_total_num_tokens,
-                                  "graph": 0.0},
+                 "memory_usage": {"weight": 0.0, "kvcache": 0.0, "token_capacity": pool_tokens, "graph": 0.0},
                  "effective_max_running_requests_per_dp": 4096, "disaggregation_mode": cfg.role}
         if cfg.expose_env_vars and cfg.dialect is not Dialect.V0_5_8:
             # exportable_env_vars(): only the Envs fields present in the environment, never MC_* (Mooncake's own)
@@ -111,7 +111,10 @@ class InfoAPI:
         cfg = self.cfg
         body = {**server_args(cfg, self.engine.tok.path), "status": "ready",
                 "max_total_num_tokens": cfg.reported_pool_tokens, "max_req_input_len": cfg.reported_max_req_input_len,
-                "internal_states": [self._internal_state()], "version": cfg.version}
+                # a lying engine lies on every rank's report (its rank 0 is the pool it claims)
+                "internal_states": [self._internal_state(pool) for pool in (cfg.reported_pool_tokens,
+                                                                            *cfg.dp_rank_pool_tokens)],
+                "version": cfg.version}
         if cfg.dialect is not Dialect.V0_5_8:
             body["kv_events"] = kv_events_descriptor(cfg)  # build_server_info
         req.respond(200, orjson.dumps(body))

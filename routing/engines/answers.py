@@ -33,20 +33,29 @@ def parse_result(role: Literal["prefill", "decode"], payload: bytes) -> dict[str
         status = code if isinstance(code, int) and 400 <= code < 600 else 502
         raise EngineRejected(role, f"{role} reported an error: {message}", status=status, detail=message)
     meta = parsed.get("meta_info")
-    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
-    if isinstance(finish, dict) and finish.get("type") == "abort":
-        message = str(finish.get("message") or "request aborted")
-        code = finish.get("status_code")
-        status = code if isinstance(code, int) else 502
-        raise EngineRejected(role, f"{role} aborted the request: {message}",
-                             status=400 if is_length_rejection(message) else status, detail=message)
+    if isinstance(meta, dict):
+        _raise_on_abort(role, meta.get("finish_reason"))
     choices = parsed.get("choices") or []
     if not isinstance(choices, list):
         raise EngineBroken(role, f"{role} answered with malformed choices")
     for choice in choices:
-        if isinstance(choice, dict) and choice.get("finish_reason") == "abort":
-            raise EngineRejected(role, f"{role} aborted the request", status=502)
+        if isinstance(choice, dict):
+            _raise_on_abort(role, choice.get("finish_reason"))
     return parsed
+
+
+def _raise_on_abort(role: Literal["prefill", "decode"], finish: Any) -> None:
+    """An abort as a finish reason: SGLang's string "abort" on OpenAI routes, or its FINISH_ABORT object
+    (`{"type": "abort", "message", "status_code"}`), native in meta_info and passed through in some OpenAI choices."""
+    if finish == "abort":
+        raise EngineRejected(role, f"{role} aborted the request", status=502)
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        message = str(finish.get("message") or "request aborted")
+        code = finish.get("status_code")
+        # Only an error status stands; an abort is never a success, whatever code it carries.
+        status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else 502
+        raise EngineRejected(role, f"{role} aborted the request: {message}",
+                             status=400 if is_length_rejection(message) else status, detail=message)
 
 
 def reported_cached_tokens(route: str, result: Any) -> int | None:

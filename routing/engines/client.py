@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from routing.engines.errors import (
+    EngineAnswerTooLarge,
     EngineBroken,
     EngineChanged,
     EngineError,
@@ -27,7 +28,7 @@ from routing.engines.errors import (
 )
 from routing.engines.http import Body, ConnectFailed, ConnectionPool, HttpConnection, HttpError, Response
 from routing.engines.identity import parse_identity
-from routing.engines.sse import data_events
+from routing.engines.sse import EventTooLarge, data_events
 
 if TYPE_CHECKING:  # workers know engine identities; the client only calls their transitions
     from routing.workers import Worker
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # workers know engine identities; the client only calls their
 _JSON = ((b"content-type", b"application/json"),)
 Headers = tuple[tuple[bytes, bytes], ...]
 _ERROR_BODY_LIMIT = 1 << 16
+_TELEMETRY_BODY_LIMIT = 16 << 20  # /server_info, /metrics, loads: a few hundred KiB from a real engine
 
 
 class EngineResponse:
@@ -46,17 +48,20 @@ class EngineResponse:
         self.role = role
         self._response = response
 
-    async def body(self) -> bytes:
+    async def body(self, max_bytes: int) -> bytes:
+        """The whole body, at most `max_bytes` of it (EngineAnswerTooLarge beyond: nothing more is read)."""
         try:
-            return await self._response.read()
+            return await read_capped(self._response, max_bytes, self.role)
         except HttpError as exc:
             raise EngineBroken(self.role, f"{self.role} connection broke while answering: {exc}") from exc
 
-    async def events(self) -> AsyncIterator[bytes]:
-        """The `data:` payload of each event, `[DONE]` included."""
+    async def events(self, max_event_bytes: int) -> AsyncIterator[bytes]:
+        """The `data:` payload of each event, `[DONE]` included; EngineAnswerTooLarge for an event over the cap."""
         try:
-            async for payload in data_events(self._response.chunks()):
+            async for payload in data_events(self._response.chunks(), max_event_bytes):
                 yield payload
+        except EventTooLarge as exc:
+            raise EngineAnswerTooLarge(self.role, "a streamed event", exc.limit) from None
         except HttpError as exc:
             raise EngineBroken(self.role, f"{self.role} stream broke: {exc}") from exc
 
@@ -133,7 +138,10 @@ class EngineClient:
             async with asyncio.timeout(self._abort_timeout_s):
                 response = await self._control_pool(url).request(b"POST", "/abort_request",
                                                                  (orjson.dumps({"rid": rid}),), _JSON)
-                await response.read()
+                try:
+                    await read_capped(response, _ERROR_BODY_LIMIT, "telemetry", truncate=True)
+                finally:
+                    response.close()  # a truncated answer's connection is not reused
                 return response.status < 300
         except (HttpError, TimeoutError):
             return False
@@ -143,7 +151,10 @@ class EngineClient:
         try:
             async with asyncio.timeout(timeout_s):
                 response = await self._control_pool(url).request(b"GET", path)
-                return response.status, await response.read()
+                try:
+                    return response.status, await read_capped(response, _TELEMETRY_BODY_LIMIT, "telemetry")
+                finally:
+                    response.close()
         except TimeoutError as exc:
             raise EngineTimeout("telemetry", f"{url}{path}: no answer in {timeout_s:g}s") from exc
         except ConnectFailed as exc:
@@ -205,9 +216,28 @@ class EngineClient:
             raise EngineChanged(role, f"{role} worker {worker.url} changed: {reason}", worker_url=worker.url)
 
 
+async def read_capped(response: Response, max_bytes: int, role: Role, *, truncate: bool = False) -> bytes:
+    """A body of at most `max_bytes`: a declared length over it fails before any byte is read, a body that grows
+    past it fails there (or, with `truncate`, ends there). Chunks are joined once, at the end."""
+    declared = next((value for name, value in response.headers if name == b"content-length"), None)
+    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes and not truncate:
+        raise EngineAnswerTooLarge(role, f"an answer of {int(declared)} bytes", max_bytes)
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.chunks():
+        size += len(chunk)
+        if size > max_bytes:
+            if truncate:
+                parts.append(chunk[:max_bytes - size + len(chunk)])
+                break
+            raise EngineAnswerTooLarge(role, "an answer", max_bytes)
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 async def _rejection(role: Role, url: str, response: Response) -> EngineError:
     try:
-        detail = error_message((await response.read())[:_ERROR_BODY_LIMIT])
+        detail = error_message(await read_capped(response, _ERROR_BODY_LIMIT, role, truncate=True))
     except HttpError:
         detail = ""
     finally:

@@ -94,3 +94,16 @@ class EngineBroken(EngineError):
         if self.worker_url is None:
             return self.message  # the gateway's own words ("decode stream ended before its first token", …)
         return f"the {self.role} engine's connection broke"
+
+
+class EngineAnswerTooLarge(EngineBroken):
+    """The engine sent an answer, or one streamed event, larger than the gateway reads (`limits.engine_*_bytes`):
+    its connection is closed at the cap, so what it sent beyond is never held."""
+
+    def __init__(self, role: Role, what: str, limit: int, *, worker_url: str | None = None) -> None:
+        super().__init__(role, f"the {role} engine sent {what} over the cap of {limit} bytes", worker_url=worker_url)
+        self.limit = limit
+
+    @property
+    def public_message(self) -> str:
+        return self.message

@@ -81,9 +81,11 @@ def parse_identity(info: Any) -> EngineIdentity:
     if not isinstance(info, dict):
         raise TypeError("server info is not a JSON object")
     context = info.get("context_length")
+    pool_tokens, max_req_input_len = _smallest_rank(int(info["max_total_num_tokens"]),
+                                                    int(info["max_req_input_len"]), info.get("internal_states"))
     return EngineIdentity(
-        pool_tokens=int(info["max_total_num_tokens"]),
-        max_req_input_len=int(info["max_req_input_len"]),
+        pool_tokens=pool_tokens,
+        max_req_input_len=max_req_input_len,
         page_size=int(info.get("page_size") or 1),
         version=str(info.get("version", "unknown")),
         disaggregation_mode=str(info.get("disaggregation_mode", "null")),
@@ -96,6 +98,34 @@ def parse_identity(info: Any) -> EngineIdentity:
         kv_events_config=_kv_events_config(info.get("kv_events_config")),
         event_ranks=int(info.get("dp_size") or 1) if info.get("enable_dp_attention") else 1,
     )
+
+
+def _smallest_rank(pool_tokens: int, max_req_input_len: int, states: Any) -> tuple[int, int]:
+    """The pool and input limit of the smallest data-parallel rank. Server info's top level is rank 0's scheduler
+    (`scheduler_info`); each rank's own scheduler reports its pool in `internal_states[i]` (SGLang:
+    `memory_usage.token_capacity`; `max_total_num_tokens` where a rank states it) and aborts prompts by its own
+    max_req_input_len = min(context - 1, pool - 1) - 5, which follows from its pool where it is not stated. A
+    prompt may land on any rank, so the smallest bounds what the engine admits."""
+    if not isinstance(states, list):
+        return pool_tokens, max_req_input_len
+    for state in states:
+        if not isinstance(state, dict):
+            continue
+        usage = state.get("memory_usage")
+        rank_pool = _count(state.get("max_total_num_tokens"))
+        if rank_pool is None and isinstance(usage, dict):
+            rank_pool = _count(usage.get("token_capacity"))
+        rank_input = _count(state.get("max_req_input_len"))
+        if rank_pool is not None:
+            pool_tokens = min(pool_tokens, rank_pool)
+            max_req_input_len = min(max_req_input_len, rank_pool - 1 - 5)
+        if rank_input is not None:
+            max_req_input_len = min(max_req_input_len, rank_input)
+    return pool_tokens, max_req_input_len
+
+
+def _count(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _kv_events_config(value: Any) -> str | None:

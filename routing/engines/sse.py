@@ -1,30 +1,78 @@
-"""Server-sent events: the `data:` payloads of an event stream, in order."""
+"""Server-sent events: the `data:` payloads of an event stream, in order, each event bounded in size.
+
+The pending bytes of an unfinished event are scanned once: each chunk is searched only from just before where the
+last search stopped (a delimiter may straddle two chunks), so an engine that streams one huge event without a blank
+line costs linear time, and at most `max_event_bytes` are ever held for it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+# A blank line ends an event; lines end in \n or \r\n, so every delimiter contains one of these, starting at the
+# line end of the event's last line: \n\n, \n\r\n (covering \r\n\n and \r\n\r\n).
+_DELIMITERS = (b"\n\n", b"\n\r\n")
+_OVERLAP = 2  # the longest delimiter less one byte: how far back a new search starts
 
-async def data_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Each event's `data:` payload; splits whatever bytes arrive itself (cheaper than a line iterator)."""
-    pending = b""
+
+class EventTooLarge(Exception):
+    """One event grew past the cap without ending."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"an event of more than {limit} bytes (at least {size})")
+        self.size = size
+        self.limit = limit
+
+
+async def data_events(chunks: AsyncIterator[bytes], max_event_bytes: int) -> AsyncIterator[bytes]:
+    """Each event's `data:` payload; raises EventTooLarge once an event exceeds `max_event_bytes`."""
+    pending = bytearray()
+    scanned = 0  # pending[:scanned] holds no delimiter start (bar the last _OVERLAP bytes, searched again)
     async for chunk in chunks:
-        pending = pending + chunk if pending else chunk
-        start = 0
+        if not pending:
+            # The common case: whole events in one chunk, nothing carried over. No copy into the buffer.
+            start, scanned = 0, 0
+            view: bytes | bytearray = chunk
+        else:
+            pending += chunk
+            view = pending
+            start = 0
         while True:
-            end = pending.find(b"\n\n", start)
+            end, width = _find_delimiter(view, max(start, scanned - _OVERLAP))
             if end < 0:
                 break
-            for payload in _payloads(pending[start:end]):
+            if end - start > max_event_bytes:
+                raise EventTooLarge(end - start, max_event_bytes)
+            for payload in _payloads(bytes(view[start:end])):
                 yield payload
-            start = end + 2
-        pending = pending[start:]
-    if pending.strip():
-        for payload in _payloads(pending):
+            start = end + width
+            scanned = start
+        rest = len(view) - start
+        if rest > max_event_bytes:
+            raise EventTooLarge(rest, max_event_bytes)
+        if view is pending:
+            del pending[:start]
+        else:
+            pending = bytearray(chunk[start:]) if rest else bytearray()
+        scanned = len(pending)
+    if bytes(pending).strip():
+        for payload in _payloads(bytes(pending)):
             yield payload
+
+
+def _find_delimiter(buffer: bytes | bytearray, since: int) -> tuple[int, int]:
+    """Where the first event delimiter at or after `since` starts (its line end included) and its width; -1: none."""
+    best, width = -1, 0
+    for delimiter in _DELIMITERS:
+        at = buffer.find(delimiter, since, len(buffer) if best < 0 else best + len(delimiter))
+        if at >= 0 and (best < 0 or at < best):
+            best, width = at, len(delimiter)
+    if best > 0 and buffer[best - 1:best] == b"\r":
+        return best - 1, width + 1  # the event's last line ended in \r\n
+    return best, width
 
 
 def _payloads(event: bytes) -> list[bytes]:
     if event.startswith(b"data:") and b"\n" not in event:
         return [event[5:].lstrip(b" ")]
-    return [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+    return [line[5:].lstrip(b" ").rstrip(b"\r") for line in event.split(b"\n") if line.startswith(b"data:")]

@@ -75,6 +75,8 @@ KEY_TESTS = {
     "models.limits.max_inflight_per_worker": "tests/e2e/test_routing_live.py::test_overload_ends_in_503_with_retry_after_never_502_and_workers_stay_in_rotation",
     "models.limits.max_queue": "tests/e2e/test_routing_live.py::test_overload_ends_in_503_with_retry_after_never_502_and_workers_stay_in_rotation",
     "models.limits.queue_timeout_s": "tests/e2e/test_routing_live.py::test_overload_ends_in_503_with_retry_after_never_502_and_workers_stay_in_rotation",
+    "models.limits.engine_event_bytes": "tests/e2e/test_engine_reads.py::test_the_caps_are_the_models_own",
+    "models.limits.engine_answer_bytes": "tests/e2e/test_engine_reads.py::test_the_caps_are_the_models_own",
     "models.circuit_breaker.failure_threshold": "tests/e2e/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",
     "models.circuit_breaker.success_threshold": "tests/e2e/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",
     "models.circuit_breaker.open_s": "tests/e2e/test_routing_live.py::test_a_flapping_decode_trips_its_own_breaker_only_and_recovers",

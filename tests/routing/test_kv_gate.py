@@ -97,6 +97,28 @@ def test_clamp_moves_the_413_boundary_to_the_smallest_pool(small_prefill: Engine
         assert f'kvgate_worker_kv_pool_tokens{{model="glm-5",role="prefill",worker="{small_prefill.prefill.url}"}} 4096.0' in metrics
 
 
+def test_a_smaller_data_parallel_rank_sets_the_limit_not_rank_0(tmp_path: Path) -> None:
+    """Server info's top level is rank 0's scheduler; a prompt may land on any rank. Rank 0 holds 20,000 tokens,
+    rank 1 only 5,000 (max_req_input_len 4,994 by SGLang's own rule): the limit is rank 1's, 4,993."""
+    limit = 5000 - 1 - 5 - 1
+    with start_pair(prefill_pool=20000, decode_pool=20000, context_length=8192, model="glm-5", version="0.5.23",
+                    prefill_opts={"dp_rank_pool_tokens": [20000, 5000]}) as pair:
+        info = httpx.get(pair.prefill.url + "/server_info", timeout=10).json()
+        assert info["max_total_num_tokens"] == 20000 and len(info["internal_states"]) == 3
+        config = write_config(tmp_path, [model_entry("glm-5", [pair.prefill], [pair.decode],
+                                                     on_pool_mismatch="clamp")])
+        with running_gateway(config) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
+            assert client.get("/v1/models").json()["data"][0]["max_prompt_tokens"] == limit
+            assert client.post("/generate", json={"input_ids": [9703] * limit,
+                                                  "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+            over = client.post("/generate", json={"input_ids": [9703] * (limit + 1),
+                                                  "sampling_params": {"max_new_tokens": 1}})
+            assert over.status_code == 413 and str(limit) in over.json()["error"]["message"]
+            metrics = client.get("/metrics").text
+            assert (f'kvgate_worker_kv_pool_tokens{{model="glm-5",role="prefill",worker="{pair.prefill.url}"}} '
+                    "5000.0") in metrics
+
+
 def test_prefill_worker_reporting_decode_mode_is_refused(healthy: EnginePair, tmp_path: Path) -> None:
     config = write_config(tmp_path, [model_entry("glm-5", [healthy.decode], [healthy.decode])])
     result = _kvgate("preflight", "--config", str(config), "--json")

@@ -14,7 +14,14 @@ import orjson
 import pytest
 
 from routing.engines.client import EngineClient
-from routing.engines.errors import EngineBroken, EngineChanged, EngineRejected, EngineTimeout, EngineUnreachable
+from routing.engines.errors import (
+    EngineAnswerTooLarge,
+    EngineBroken,
+    EngineChanged,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnreachable,
+)
 from routing.engines.identity import EngineIdentity, parse_identity
 from routing.workers import Worker, WorkerSpec
 
@@ -97,7 +104,7 @@ def test_events_stream_over_chunked_encoding_and_the_connection_is_reused() -> N
         worker, client = _worker(await engine.start()), _client()
         for _ in range(3):
             response = await client.generate(worker, "/generate", (b"{}",))
-            assert [e async for e in response.events()] == [b'{"a":1}', b"[DONE]"]
+            assert [e async for e in response.events(1 << 20)] == [b'{"a":1}', b"[DONE]"]
         # One connection, verified once, then three requests on it.
         assert engine.requests == [(1, "/server_info"), (1, "/generate"), (1, "/generate"), (1, "/generate")]
         await client.close()
@@ -113,7 +120,7 @@ def test_whole_bodies_with_a_length_or_ended_by_close(reply: bytes, hang_up: boo
         engine = Engine(reply, hang_up=hang_up)
         worker, client = _worker(await engine.start()), _client()
         response = await client.generate(worker, "/generate", (b"{}",))
-        assert await response.body() == b'{"ok":true}'
+        assert await response.body(1 << 20) == b'{"ok":true}'
         await client.close()
         engine.close()
     _run(scenario())
@@ -186,12 +193,49 @@ def test_an_answer_that_is_not_a_rejection_of_the_request_keeps_its_words_for_th
     _run(scenario())
 
 
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.1 200 OK\r\ncontent-length: 5000\r\n\r\n" + b"x" * 5000,           # refused by its declared length
+    b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n" + b"x" * 5000,              # refused as it grows
+    STREAM_HEAD + _chunk(b"x" * 3000) + _chunk(b"x" * 2000)])                       # chunked, still coming
+def test_a_whole_body_over_its_cap_is_too_large_and_its_connection_is_not_kept(reply: bytes) -> None:
+    async def scenario() -> None:
+        engine = Engine(reply)
+        worker, client = _worker(await engine.start()), _client()
+        response = await client.generate(worker, "/generate", (b"{}",))
+        with pytest.raises(EngineAnswerTooLarge) as caught:
+            await response.body(4096)
+        assert isinstance(caught.value, EngineBroken) and "4096" in caught.value.public_message
+        response.close()
+        engine.reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
+        assert await (await client.generate(worker, "/generate", (b"{}",))).body(4096) == b"{}"
+        assert engine.connections == 2  # the cut-off answer's connection was closed, a new one verified
+        await client.close()
+        engine.close()
+    _run(scenario())
+
+
+def test_an_event_over_its_cap_is_too_large() -> None:
+    async def scenario() -> None:
+        engine = Engine(STREAM_HEAD + _chunk(b'data: {"a":1}\n\n') + _chunk(b"data: " + b"x" * 3000)
+                        + _chunk(b"x" * 3000) + b"0\r\n\r\n")
+        worker, client = _worker(await engine.start()), _client()
+        response = await client.generate(worker, "/generate", (b"{}",))
+        events = response.events(4096)
+        assert await anext(events) == b'{"a":1}'
+        with pytest.raises(EngineAnswerTooLarge):
+            await anext(events)
+        response.close()
+        await client.close()
+        engine.close()
+    _run(scenario())
+
+
 def test_a_stream_cut_short_is_broken_not_finished() -> None:
     async def scenario() -> None:
         engine = Engine(STREAM_HEAD + _chunk(b'data: {"a":1}\n\n'), hang_up=True)
         worker, client = _worker(await engine.start()), _client()
         response = await client.generate(worker, "/generate", (b"{}",))
-        events = response.events()
+        events = response.events(1 << 20)
         assert await anext(events) == b'{"a":1}'
         with pytest.raises(EngineBroken):
             await anext(events)
