@@ -76,5 +76,6 @@ async def _metrics_pool(engines: EngineClient, url: str, timeout_s: float) -> in
         status, body = await engines.get(url, "/metrics", timeout_s=timeout_s)
     except EngineError:
         return None
-    match = _POOL_METRIC.search(body) if status == 200 else None
-    return int(float(match.group(1))) if match else None
+    # One series per data-parallel rank where the engine labels them: the smallest, as the gate takes.
+    pools = [int(float(match.group(1))) for match in _POOL_METRIC.finditer(body)] if status == 200 else []
+    return min(pools) if pools else None

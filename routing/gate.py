@@ -118,7 +118,9 @@ def _judge_worker(model: ModelSpec, worker: Worker, reading: Reading, configured
         text = (f"engine version {identity.version} is older than {model.min_engine_version} "
                 "(no upstream admission fix for over-long prompts in PD mode)")
         (judgement.problems if model.on_old_engine == "refuse" else judgement.warnings).append(text)
-    if reading.metrics_pool_tokens is not None and reading.metrics_pool_tokens != identity.pool_tokens:
+    if reading.metrics_pool_tokens is not None \
+            and reading.metrics_pool_tokens not in (identity.pool_tokens, identity.rank0_pool_tokens):
+        # (a /metrics that exports rank 0 alone agrees when it reports rank 0's pool)
         judgement.warnings.append(f"/metrics reports a pool of {reading.metrics_pool_tokens} tokens, server info "
                                   f"{identity.pool_tokens}")
     if context_length is not None and context_length < model.context_length:

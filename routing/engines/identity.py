@@ -68,6 +68,7 @@ class EngineIdentity:
     launch_context_length: int | None  # --context-length as launched (null when the model's default applies)
     # A decode only schedules a prompt when prompt + max(this, max_new_tokens) fits its pool (prealloc queue).
     reserved_decode_tokens: int = 512
+    rank0_pool_tokens: int | None = None  # server info's top level (rank 0), where a smaller rank sets `pool_tokens`
     settings: TransferSettings = TransferSettings()
     rendering: RenderingSettings = RenderingSettings()
     # --kv-events-config as the engine runs it (JSON; None: it publishes no KV events), and how many publishers:
@@ -81,8 +82,9 @@ def parse_identity(info: Any) -> EngineIdentity:
     if not isinstance(info, dict):
         raise TypeError("server info is not a JSON object")
     context = info.get("context_length")
-    pool_tokens, max_req_input_len = _smallest_rank(int(info["max_total_num_tokens"]),
-                                                    int(info["max_req_input_len"]), info.get("internal_states"))
+    rank0_pool = int(info["max_total_num_tokens"])
+    pool_tokens, max_req_input_len = _smallest_rank(rank0_pool, int(info["max_req_input_len"]),
+                                                    info.get("internal_states"))
     return EngineIdentity(
         pool_tokens=pool_tokens,
         max_req_input_len=max_req_input_len,
@@ -93,6 +95,7 @@ def parse_identity(info: Any) -> EngineIdentity:
         tokenizer_path=info.get("tokenizer_path"),
         launch_context_length=int(context) if context is not None else None,
         reserved_decode_tokens=int(info.get("num_reserved_decode_tokens") or 512),
+        rank0_pool_tokens=rank0_pool,
         settings=_transfer_settings(info),
         rendering=_rendering_settings(info),
         kv_events_config=_kv_events_config(info.get("kv_events_config")),

@@ -117,6 +117,9 @@ def test_a_smaller_data_parallel_rank_sets_the_limit_not_rank_0(tmp_path: Path) 
             metrics = client.get("/metrics").text
             assert (f'kvgate_worker_kv_pool_tokens{{model="glm-5",role="prefill",worker="{pair.prefill.url}"}} '
                     "5000.0") in metrics
+            judgement = gateway.gateway.models["glm-5"].judgement
+            assert judgement is not None
+            assert not any("/metrics reports" in w for v in judgement.workers for w in v.warnings)
 
 
 def test_prefill_worker_reporting_decode_mode_is_refused(healthy: EnginePair, tmp_path: Path) -> None:
