@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
@@ -68,7 +68,9 @@ class EngineIdentity:
     launch_context_length: int | None  # --context-length as launched (null when the model's default applies)
     # A decode only schedules a prompt when prompt + max(this, max_new_tokens) fits its pool (prealloc queue).
     reserved_decode_tokens: int = 512
-    rank0_pool_tokens: int | None = None  # server info's top level (rank 0), where a smaller rank sets `pool_tokens`
+    # Server info's top level (rank 0), where a smaller rank sets `pool_tokens`; only read by the /metrics
+    # cross-check, so not part of what the gate judges an identity by.
+    rank0_pool_tokens: int | None = field(default=None, compare=False)
     settings: TransferSettings = TransferSettings()
     rendering: RenderingSettings = RenderingSettings()
     # --kv-events-config as the engine runs it (JSON; None: it publishes no KV events), and how many publishers:
