@@ -52,10 +52,12 @@ import orjson
 import yaml
 
 from loadtests.engine.harness import EnginePair, free_port, start_pair
+from loadtests.phase_profile import ORDER, PROFILER
 from loadtests.procstat import (
     GLM5_TEMPLATE,
     GLM5_TOKENIZER,
     LAG_FILE_ENV,
+    PROFILE_FILE_ENV,
     REPO_ROOT,
     cpu_seconds,
     lags_within,
@@ -63,6 +65,7 @@ from loadtests.procstat import (
     percentile,
     read_lags,
     serve_with_lag_probe,
+    take_profile,
     wait_ready,
 )
 
@@ -78,6 +81,7 @@ class Front:
     name: str
     url: str | None  # None: direct to the engines
     pid: int | None  # the process whose CPU and memory are measured
+    profile: Callable[[], dict[str, float]] | None = None  # CPU seconds per phase since the last call (--profile)
 
 
 @dataclass
@@ -105,6 +109,7 @@ class Row:
     cpu_s: float | None = None
     rss_mib: float | None = None
     window: tuple[float, float] = (0.0, 0.0)
+    phases: dict[str, float] = field(default_factory=dict)  # CPU seconds per phase (--profile)
 
     @property
     def done(self) -> int:
@@ -221,6 +226,8 @@ async def _run_row(load: Load, scenario: Scenario, front: Front) -> Row:
     # Warm connections and caches (a long prompt: one, which also starts kvgate's admission worker process).
     warm = 1 if scenario.prompt_tokens else 0 if scenario.name == "faults" else min(scenario.concurrency * 2, 64)
     await _drive(one, warm, scenario.concurrency, Row(scenario, front))
+    if front.profile is not None:
+        front.profile()  # what the warm-up cost is not this row's
     cpu0 = cpu_seconds(front.pid) if front.pid else None
     mono0, wall0 = time.monotonic(), time.perf_counter()
     await _drive(one, scenario.requests, scenario.concurrency, row)
@@ -229,6 +236,8 @@ async def _run_row(load: Load, scenario: Scenario, front: Front) -> Row:
     if front.pid:
         row.cpu_s = cpu_seconds(front.pid) - (cpu0 or 0.0)
         row.rss_mib = peak_rss_mib(front.pid)
+    if front.profile is not None:
+        row.phases = front.profile()
     return row
 
 
@@ -340,11 +349,38 @@ def report(rows: list[Row], lags: tuple[list[float], list[float]]) -> None:
           "that left); CPU s/1k: the front's CPU seconds per 1,000 requests; lag: kvgate's event-loop timer lag")
 
 
+_SHORT = {"intake and body": "intake", "admission and count": "admit", "tenancy": "tenant", "pick and lease": "pick",
+          "engine client: connect, verify, read": "engine", "exchange and release": "exchange",
+          "relay to the client": "relay", "access record and metrics": "record",
+          "HTTP framework (ASGI, Starlette, uvicorn)": "http", "event loop and sockets": "loop",
+          "other threads": "threads", PROFILER: "(prof)"}
+
+
+def report_phases(rows: list[Row]) -> None:
+    """kvgate's CPU per request by phase (ms), from its sampling profiler; the profiler's own CPU apart."""
+    profiled = [r for r in rows if r.phases]
+    if not profiled:
+        return
+    print()
+    print("kvgate CPU per request by phase, ms (--profile: the event-loop thread sampled every 2 ms, CPU time)")
+    print(f"{'scenario':<15} " + " ".join(f"{_SHORT[p]:>8}" for p in ORDER) + f" {'total':>8}")
+    for row in profiled:
+        per = {p: 1000 * row.phases.get(p, 0.0) / max(1, row.done) for p in ORDER}
+        total = sum(v for p, v in per.items() if p != PROFILER)
+        print(f"{row.scenario.name:<15} " + " ".join(f"{per[p]:>8.3f}" for p in ORDER) + f" {total:>8.3f}")
+    print("intake: identity, throttle, body; admit: parse, render, count, 413; tenant: limits; pick: route key, "
+          "policy, lease, queue; engine: connection, verify, engine reads; exchange: PD orchestration, verify-then-"
+          "release; relay: to the client; record: access log, metrics, traces, provenance; http: ASGI, Starlette, "
+          "uvicorn; loop: uvloop and sockets in C; threads: counting pools and other threads; (prof): the profiler")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests, a 256K-token long prompt")
     parser.add_argument("--peer", choices=["sglang-router"], default=None)
     parser.add_argument("--router-python", default=sys.executable, help="a Python with sglang-router installed")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print kvgate's CPU per request split by phase (a sampling profiler in its process)")
     parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # internal: the gateway process
     args = parser.parse_args(argv)
     if args.serve:
@@ -357,14 +393,17 @@ def main(argv: list[str] | None = None) -> int:
         directory = Path(temp)
         try:
             config, port = _write_config(directory, pair)
-            lag_file = directory / "lags.json"
+            lag_file, profile_file = directory / "lags.json", directory / "profile.json"
             env = {**os.environ, LAG_FILE_ENV: str(lag_file)}
+            if args.profile:
+                env[PROFILE_FILE_ENV] = str(profile_file)
             gateway = subprocess.Popen([sys.executable, "-m", "loadtests.bench", "--serve", str(config)],
                                        cwd=REPO_ROOT, env=env)
             processes.append(gateway)
             kvgate_url = f"http://127.0.0.1:{port}"
             wait_ready(kvgate_url, gateway, timeout_s=90)
-            fronts = [Front("direct", None, None), Front("kvgate", kvgate_url, gateway.pid)]
+            profile = (lambda: take_profile(gateway, profile_file)) if args.profile else None
+            fronts = [Front("direct", None, None), Front("kvgate", kvgate_url, gateway.pid, profile)]
             if args.peer:
                 router, router_url = _start_router(args.router_python, pair)
                 processes.append(router)
@@ -373,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = asyncio.run(_run_all(pair, fronts, scenarios(args.quick), long_text))
             lags = read_lags(gateway, lag_file)
             report(rows, lags)
+            if args.profile:
+                report_phases(rows)
             _summary(rows, lags)
         finally:
             for process in processes:

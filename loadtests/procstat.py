@@ -19,6 +19,7 @@ GLM5_TEMPLATE = REPO_ROOT / "config/models/glm-5/chat_template.jinja"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 LAG_INTERVAL_S = 0.010
 LAG_FILE_ENV = "KVGATE_BENCH_LAG_FILE"
+PROFILE_FILE_ENV = "KVGATE_BENCH_PROFILE_FILE"  # set: the phase profiler runs; SIGUSR2 writes and resets it
 
 
 def cpu_times(pid: int) -> tuple[float, float]:
@@ -117,10 +118,26 @@ def serve_with_lag_probe(config_path: str) -> int:
             json.dump([list(stamps), list(lags)], fh)
         os.replace(tmp, lag_file)
 
+    profile_file = os.environ.get(PROFILE_FILE_ENV)
+
     async def serve(self: Any, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         task = loop.create_task(sampler())
         loop.add_signal_handler(signal.SIGUSR1, dump)
+        if profile_file:
+            import threading
+
+            from loadtests.phase_profile import PhaseSampler
+
+            phases = PhaseSampler(threading.get_ident())
+            phases.start()
+
+            def dump_profile() -> None:
+                with open(profile_file + ".tmp", "w") as fh:
+                    json.dump(phases.take(), fh)
+                os.replace(profile_file + ".tmp", profile_file)
+
+            loop.add_signal_handler(signal.SIGUSR2, dump_profile)
         try:
             return await original_serve(self, *args, **kwargs)
         finally:
@@ -145,3 +162,13 @@ def read_lags(proc: subprocess.Popen[bytes], lag_file: Path) -> tuple[list[float
 
 def lags_within(stamps: list[float], lags: list[float], window: tuple[float, float]) -> list[float]:
     return [lag for stamp, lag in zip(stamps, lags) if window[0] <= stamp <= window[1]]
+
+
+def take_profile(proc: subprocess.Popen[bytes], profile_file: Path) -> dict[str, float]:
+    """The gateway's CPU seconds per phase since the last call (loadtests.phase_profile)."""
+    profile_file.unlink(missing_ok=True)
+    proc.send_signal(signal.SIGUSR2)
+    deadline = time.monotonic() + 5
+    while not profile_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return json.loads(profile_file.read_text()) if profile_file.exists() else {}
