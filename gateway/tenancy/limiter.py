@@ -75,10 +75,15 @@ class TenantLimiter:
             return
         try:
             decision = await self._state.admit_tenant(tenant.name, budgets, None, 0)
+            if not decision.admitted:  # refused, and still charged: its body was read all the same
+                for budget in budgets:
+                    await self._state.charge(tenant.name, budget)
         except StateUnavailable:
             raise StateDown() from None
         if not decision.admitted:
-            self._refused(tenant, decision.reason, decision.retry_after_s)
+            # The wait grows by what was just charged to the budget that refused.
+            added = max((b.cost * 60 / b.per_min for b in budgets if b.kind == decision.reason), default=0.0)
+            self._refused(tenant, decision.reason, decision.retry_after_s + added)
 
     def _refused(self, tenant: Tenant, reason: str, retry_after_s: float) -> NoReturn:
         if reason != "max_concurrent":  # a slot may free any moment; an empty budget refills slowly

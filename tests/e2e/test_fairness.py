@@ -20,9 +20,9 @@ from tests.gateway_harness import RunningGateway, model_entry, running_gateway, 
 pytestmark = pytest.mark.long_running(seconds=25)
 
 KEYS = {"patient": "sk-patient", "flooder": "sk-flooder", "metered": "sk-metered", "counted": "sk-counted",
-        "bulky": "sk-bulky"}
+        "bulky": "sk-bulky", "spender": "sk-spender"}
 LIMITS = {"metered": {"requests_per_min": 3}, "counted": {"requests_per_min": 2},
-          "bulky": {"body_bytes_per_min": 1_000_000}}
+          "bulky": {"body_bytes_per_min": 1_000_000}, "spender": {"body_bytes_per_min": 1_000_000}}
 
 
 def _hashed(key: str) -> str:
@@ -161,3 +161,18 @@ def test_a_bodys_bytes_are_charged_before_it_is_parsed(gateway: RunningGateway) 
                               json={"model": "glm-5", "prompt": "hello", "max_tokens": 2})
         assert limited.status_code == 429 and "body bytes per minute" in limited.json()["error"]["message"]
         assert int(limited.headers["retry-after"]) >= 1
+
+
+def test_a_body_refused_for_an_empty_budget_is_charged_all_the_same(gateway: RunningGateway) -> None:
+    junk = b'{"model": "glm-5", "prompt": ' + b"[" * 900_000
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        for _ in range(2):  # 900 KB each: the budget of 1 MB a minute is 800 KB in debt
+            assert client.post("/v1/completions", content=junk, headers=_headers("spender")).status_code == 400
+        # Its head came before the refusal was known, so its body was read: refused, and charged.
+        with httpx.Client(base_url=gateway.url, timeout=30) as other:
+            refused = other.post("/v1/completions", content=junk, headers=_headers("spender"))
+        assert refused.status_code == 429
+        after = client.post("/v1/completions", headers=_headers("spender"),
+                            json={"model": "glm-5", "prompt": "hello", "max_tokens": 2})
+        # 1.7 MB in debt now (0.8 MB had it not been charged): over a minute and a half to pay off.
+        assert after.status_code == 429 and int(after.headers["retry-after"]) > 90
