@@ -432,8 +432,11 @@ class GatewayConfig(_Strict):
     max_headers: int = Field(100, gt=0)
     max_connections: int = Field(1024, gt=0, description="open client connections; beyond it new requests get 503")
     max_connections_per_client: int | None = Field(
-        None, gt=0, description="open connections one client address, or one API key, may hold (default: a quarter "
-                                "of max_connections; behind a proxy that hides client addresses, max_connections)")
+        None, gt=0, description="open connections one client address may hold (default: a quarter of "
+                                "max_connections; behind a proxy that hides client addresses, max_connections)")
+    max_connections_per_key: int | None = Field(
+        None, gt=0, description="open connections one API key may hold from any addresses (default: a quarter of "
+                                "max_connections)")
     token_cache_bytes: int = Field(64 * 2**20, ge=0)
     admission_workers: int | None = Field(None, ge=1, description="processes that admit large bodies off the event "
                                           "loop, shared fairly by tenant (default: the cores this process may use)")
@@ -459,6 +462,10 @@ class GatewayConfig(_Strict):
     @property
     def connections_per_client(self) -> int:
         return self.max_connections_per_client or max(1, self.max_connections // 4)
+
+    @property
+    def connections_per_key(self) -> int:
+        return self.max_connections_per_key or max(1, self.max_connections // 4)
 
     @property
     def admission_processes(self) -> int:

@@ -30,6 +30,7 @@ from gateway.errors import GatewayError
 from gateway.http.app import create_app
 from gateway.serving.gateway import Gateway
 from gateway.serving.reload import reload_logged
+from gateway.tenancy.tenants import bearer_key_of
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -40,7 +41,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     max_headers = 100
     head_timeout_s = 10.0
     max_connections = 1024
-    client_share = 256  # connections one client address (or one API key) may hold
+    client_share = 256  # connections one client address may hold
+    key_share = 256  # connections one API key may hold, from any number of addresses
     # Per server (uvicorn_config makes a subclass per configuration): open connections per address and per key.
     by_address: ClassVar[Counter[str]] = Counter()
     by_key: ClassVar[Counter[bytes]] = Counter()
@@ -98,7 +100,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._head_too_large = True
             raise ValueError("too many headers")
         if len(name) == 13 and name.lower() == b"authorization":  # a digest: the key itself is not kept here
-            self._request_key = hashlib.blake2b(value.strip(), digest_size=16).digest()
+            self._request_key = hashlib.blake2b(bearer_key_of(value), digest_size=16).digest()
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -110,7 +112,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._key = self._request_key
             if self._key is not None:
                 self.by_key[self._key] += 1
-        if self._key is not None and self.by_key[self._key] > self.client_share:
+        if self._key is not None and self.by_key[self._key] > self.key_share:
             self._over_capacity = True
             raise ConnectionRefusedError("over the key's share")  # stops the parser: answered in _feed
         if self._over_capacity or len(self.tasks) >= self.max_connections:
@@ -161,9 +163,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             else:
                 self._unsupported_upgrade_warning()
         except httptools.HttpParserError:
-            if self._over_capacity and self._key is not None and self.by_key[self._key] > self.client_share:
+            if self._over_capacity and self._key is not None and self.by_key[self._key] > self.key_share:
                 self._answer(503, "Service Unavailable", "too_many_connections",
-                             f"this API key holds {self.client_share} open connections, its share of the gateway's",
+                             f"this API key holds {self.key_share} open connections, its share of the gateway's",
                              retry_after_s=1)
             elif self._over_capacity:
                 self._answer(503, "Service Unavailable", "overloaded",
@@ -200,7 +202,8 @@ def uvicorn_config(app: ASGIApp, config: GatewayConfig, *, log_level: str, loop:
     protocol = type("GatewayHttpProtocol", (GuardedHttpToolsProtocol,),
                     {"max_header_bytes": config.max_header_bytes, "max_headers": config.max_headers,
                      "head_timeout_s": config.timeouts.client_head_s, "max_connections": config.max_connections,
-                     "client_share": config.connections_per_client, "by_address": Counter(), "by_key": Counter()})
+                     "client_share": config.connections_per_client, "key_share": config.connections_per_key,
+                     "by_address": Counter(), "by_key": Counter()})
     # log_config=None: uvicorn's loggers propagate to the root handler kvgate set up (text or JSON lines); the
     # access log is kvgate's own (gateway.telemetry.observe), with the request's model, workers and outcome.
     return uvicorn.Config(app, host=config.listen.host, port=config.listen.port, log_level=log_level,

@@ -19,7 +19,8 @@ log = logging.getLogger("kvgate.reload")
 
 # Settings the running process cannot change in place.
 _RESTART_KEYS = ("listen", "max_body_bytes", "max_header_bytes", "max_headers", "max_connections",
-                 "max_connections_per_client", "token_cache_bytes", "admission_workers", "discovery", "state")
+                 "max_connections_per_client", "max_connections_per_key", "token_cache_bytes", "admission_workers",
+                 "discovery", "state")
 _MODEL_RESTART_KEYS = ("tokenizer", "chat_template", "chat_template_kwargs")
 
 

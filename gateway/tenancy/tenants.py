@@ -92,7 +92,13 @@ def _tenant(config: TenantConfig) -> Tenant:
 def _bearer_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     for name, value in headers:
         if name == b"authorization":
-            scheme, _, key = value.partition(b" ")
-            key = key.strip()
-            return key if scheme.lower() == b"bearer" and key else value
+            return bearer_key_of(value)
     return None
+
+
+def bearer_key_of(authorization: bytes) -> bytes:
+    """The key an Authorization header value names, however it is spelled (`Bearer`, `bearer`, extra spaces): one
+    key, one tenant, one connection share. A value of another scheme is taken whole."""
+    scheme, _, key = authorization.strip().partition(b" ")
+    key = key.strip()
+    return key if scheme.lower() == b"bearer" and key else authorization.strip()

@@ -117,15 +117,17 @@ def test_idle_connections_from_one_address_leave_the_others_served(gateway: Runn
 def test_one_api_key_holds_at_most_its_share_of_connections_from_any_number_of_addresses(
         gateway: RunningGateway) -> None:
     host, port = gateway.url.removeprefix("http://").split(":")
-    head = (b"POST /v1/completions HTTP/1.1\r\nhost: kvgate\r\nauthorization: Bearer " + KEYS["flooder"].encode()
-            + b"\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n")  # a body that never comes
+    # One key however it is spelled (the scheme's case, spaces), each head with a body that never comes.
+    spellings = [b"Bearer ", b"bearer ", b"BEARER   "]
+    heads = [b"POST /v1/completions HTTP/1.1\r\nhost: kvgate\r\nauthorization: " + scheme + KEYS["flooder"].encode()
+             + b"\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n" for scheme in spellings]
     held: list[socket.socket] = []
     try:
         for n in range(257):  # the share is a quarter of max_connections (1024): 256
             sock = socket.socket()
             sock.bind(("127.0.0.3" if n % 2 else "127.0.0.4", 0))  # neither address reaches its own share
             sock.connect((host, int(port)))
-            sock.sendall(head)
+            sock.sendall(heads[n % len(heads)])
             held.append(sock)
         held[-1].settimeout(5)
         answer = held[-1].recv(4096)

@@ -42,6 +42,7 @@ KEY_TESTS = {
     "max_headers": "tests/gateway/admission/test_admission.py::test_header_floods_get_431_before_they_are_buffered",
     "max_connections": "tests/gateway/admission/test_admission.py::test_connections_beyond_max_connections_get_503",
     "max_connections_per_client": "tests/e2e/test_fairness.py::test_idle_connections_from_one_address_leave_the_others_served",
+    "max_connections_per_key": "tests/e2e/test_fairness.py::test_one_api_key_holds_at_most_its_share_of_connections_from_any_number_of_addresses",
     "token_cache_bytes": "tests/gateway/test_config_keys.py::test_token_cache_bytes_bounds_the_count_cache",
     "admission_workers": "tests/gateway/test_config_keys.py::test_admission_workers_share_large_bodies_by_tenant",
     "models.name": "tests/gateway/admission/test_admission.py::test_models_endpoint_reports_the_effective_limit",
