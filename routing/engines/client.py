@@ -199,7 +199,7 @@ class EngineClient:
         expected = worker.verified
         try:
             async with asyncio.timeout(self._verify_timeout_s):
-                status, body = await pool.fetch(connection, "/server_info")
+                status, body = await pool.fetch(connection, "/server_info", max_bytes=_TELEMETRY_BODY_LIMIT)
             identity = parse_identity(orjson.loads(body)) if status < 300 else None
         except TimeoutError as exc:
             raise EngineTimeout(role, f"{role} worker {worker.url} did not confirm its identity within "

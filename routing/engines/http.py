@@ -42,6 +42,15 @@ class ProtocolViolation(HttpError):
     """The peer sent bytes that are not a valid HTTP/1.1 response."""
 
 
+class BodyTooLarge(HttpError):
+    """The peer's body is longer than the reader allows."""
+
+
+# A response head (status line and headers) longer or with more headers than this is no engine's: refused before
+# it is buffered whole (an engine that never ends its headers would otherwise grow the gateway without bound).
+MAX_RESPONSE_HEAD_BYTES = 64 * 1024
+MAX_RESPONSE_HEADERS = 100
+
 NewConnectionHook = Callable[["HttpConnection"], Awaitable[None]]
 Body = Sequence[bytes | memoryview]  # a request body in parts, written in order
 _COALESCE_BYTES = 64 * 1024
@@ -79,9 +88,15 @@ class Response:
     def complete(self) -> bool:
         return self._complete
 
-    async def read(self) -> bytes:
-        """The whole body."""
-        parts = [chunk async for chunk in self.chunks()]
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole body; BodyTooLarge once it passes `max_bytes` (no more of it is kept)."""
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks():
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise BodyTooLarge(f"a body over {max_bytes} bytes")
+            parts.append(chunk)
         return b"".join(parts)
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -150,6 +165,8 @@ class HttpConnection(asyncio.Protocol):
         self._headers_ready: asyncio.Future[None] | None = None
         self._keep_alive = False
         self._reading_paused = False
+        self._head_bytes = 0  # of the response whose headers are still coming
+        self._header_count = 0
         self.closed = False
         self.idle_since = 0.0
 
@@ -164,7 +181,15 @@ class HttpConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._abort(ProtocolViolation(f"invalid HTTP response: {exc}"))
+            cause = exc.__context__  # a limit of ours, raised in a callback, says why itself
+            self._abort(cause if isinstance(cause, ProtocolViolation) else ProtocolViolation(
+                f"invalid HTTP response: {exc}"))
+            return
+        response = self._response
+        if response is not None and not response.status:  # its head is still coming
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_RESPONSE_HEAD_BYTES:
+                self._abort(ProtocolViolation(f"response headers over {MAX_RESPONSE_HEAD_BYTES} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -181,6 +206,9 @@ class HttpConnection(asyncio.Protocol):
     # ── httptools callbacks ─────────────────────────────────────────────────────────────────────────────────
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self._response is not None
+        self._header_count += 1
+        if self._header_count > MAX_RESPONSE_HEADERS:
+            raise ProtocolViolation(f"more than {MAX_RESPONSE_HEADERS} response headers")  # ends the parse
         self._response.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -205,6 +233,7 @@ class HttpConnection(asyncio.Protocol):
         if self.closed or self._transport is None or self._transport.is_closing():
             raise ConnectionClosed("connection is closed")
         self._parser = httptools.HttpResponseParser(self)
+        self._head_bytes = self._header_count = 0
         response = self._response = Response(self, on_finish)
         self._headers_ready = asyncio.get_running_loop().create_future()
         if _length(body) < _COALESCE_BYTES:
@@ -291,10 +320,10 @@ class ConnectionPool:
         """A connection from `acquire()` that was not used after all."""
         self._finished(connection, True)
 
-    async def fetch(self, connection: HttpConnection, path: str) -> tuple[int, bytes]:
+    async def fetch(self, connection: HttpConnection, path: str, *, max_bytes: int) -> tuple[int, bytes]:
         """A GET on `connection` itself (from a new-connection hook), leaving it ready for the next request."""
         response = await connection.send(self._head(b"GET", path, (), 0), (), _detach)
-        body = await response.read()
+        body = await response.read(max_bytes)
         if not connection.reusable:
             raise ConnectionClosed("the engine closed the connection after answering")
         return response.status, body

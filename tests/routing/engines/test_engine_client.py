@@ -18,6 +18,7 @@ from routing.engines.errors import (
     EngineAnswerTooLarge,
     EngineBroken,
     EngineChanged,
+    EngineError,
     EngineRejected,
     EngineTimeout,
     EngineUnreachable,
@@ -290,4 +291,33 @@ def test_abort_s_and_telemetry_timeouts_bound_an_engine_that_never_answers(call:
         assert 0.25 < time.monotonic() - started < 2
         await client.close()
         server.close()
+    _run(scenario())
+
+
+@pytest.mark.parametrize("head", [
+    b"HTTP/1.1 200 OK\r\n" + b"x-pad: " + b"y" * (1 << 20) + b"\r\n\r\n",  # one header that never ends in time
+    b"HTTP/1.1 200 OK\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(500)) + b"\r\n",  # too many headers
+])
+def test_an_engine_response_head_over_its_cap_fails_before_it_is_buffered_whole(head: bytes) -> None:
+    async def scenario() -> None:
+        engine = Engine(head)
+        worker, client = _worker(await engine.start()), _client()
+        with pytest.raises(EngineError) as caught:
+            await client.generate(worker, "/generate", (b"{}",))
+        assert "response headers" in str(caught.value) or "more than 100" in str(caught.value)
+        await client.close()
+        engine.close()
+    _run(scenario())
+
+
+def test_a_server_info_over_its_cap_fails_the_identity_check() -> None:
+    async def scenario() -> None:
+        engine = Engine(CHUNKED)
+        engine.info["padding"] = "x" * (17 << 20)  # valid JSON, over the 16 MiB telemetry cap
+        worker, client = _worker(await engine.start()), _client()
+        with pytest.raises(EngineError):
+            await client.generate(worker, "/generate", (b"{}",))
+        assert [path for _, path in engine.requests] == ["/server_info"]  # nothing was sent
+        await client.close()
+        engine.close()
     _run(scenario())
