@@ -16,9 +16,10 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.admission.requests import reject_unknown_model
 from gateway.config import GatewayConfig
+from gateway.errors import GatewayError
 from gateway.http.admin import AdminApi
 from gateway.http.generate import GenerateEndpoint
-from gateway.http.intake import Refused, error_response, identify
+from gateway.http.intake import Refused, charge, error_response, identify, retry_after, throttle
 from gateway.http.tokenize import TokenizeApi
 from gateway.serving.canary import CanaryProber
 from gateway.serving.gateway import GateRefused, Gateway
@@ -102,11 +103,16 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, *,
                 "max_prompt_tokens": model.admission.limits.prompt_tokens, "available": model.unavailable is None}
 
     async def refused(request: Request) -> Response | None:
-        """The models and their limits are for clients with a key, where one is required (as the generate routes)."""
+        """The models and their limits are for clients with a key, where one is required, and cost a request of
+        the tenant's (as the generate routes do)."""
         try:
-            await identify(gateway, request.scope)
+            tenant = await identify(gateway, request.scope)
+            throttle(gateway, tenant)
+            await charge(gateway, tenant)
         except Refused as refused:
             return error_response(refused.error, refused.headers)
+        except GatewayError as error:  # the shared state is down and the gateway fails closed
+            return error_response(error, retry_after(error))
         return None
 
     async def list_models(request: Request) -> Response:

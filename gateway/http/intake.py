@@ -74,9 +74,17 @@ async def receive_body(gateway: Gateway, scope: Scope, receive: Receive, body: R
     except ConnectionAbortedError as gone:
         refusal = gone
     try:
-        await gateway.fleet.limiter.charge_request(tenant, body.size)
-    except RateLimited as error:
+        await charge(gateway, tenant, body.size)
+    except Refused:
         if refusal is None:
-            raise Refused(error, retry_after(error)) from None
+            raise
     if refusal is not None:
         raise refusal
+
+
+async def charge(gateway: Gateway, tenant: Tenant, body_bytes: int = 0) -> None:
+    """One request of the tenant's, and its body's bytes; Refused (429) when a budget is empty."""
+    try:
+        await gateway.fleet.limiter.charge_request(tenant, body_bytes)
+    except RateLimited as error:
+        raise Refused(error, retry_after(error)) from None

@@ -19,9 +19,9 @@ from tests.gateway_harness import RunningGateway, model_entry, running_gateway, 
 
 pytestmark = pytest.mark.long_running(seconds=25)
 
-KEYS = {"patient": "sk-patient", "flooder": "sk-flooder", "metered": "sk-metered", "counted": "sk-counted",
+KEYS = {"lister": "sk-lister", "patient": "sk-patient", "flooder": "sk-flooder", "metered": "sk-metered", "counted": "sk-counted",
         "bulky": "sk-bulky", "spender": "sk-spender"}
-LIMITS = {"metered": {"requests_per_min": 3}, "counted": {"requests_per_min": 2},
+LIMITS = {"lister": {"requests_per_min": 2}, "metered": {"requests_per_min": 3}, "counted": {"requests_per_min": 2},
           "bulky": {"body_bytes_per_min": 1_000_000}, "spender": {"body_bytes_per_min": 1_000_000}}
 
 
@@ -152,6 +152,7 @@ def test_refused_requests_and_tokenize_calls_are_charged_to_their_tenant(gateway
                                json={"model": "glm-5", "prompt": "hello"}).status_code == 200
         assert client.post("/v1/completions", headers=_headers("counted"),
                            json={"model": "glm-5", "prompt": "hello", "max_tokens": 2}).status_code == 429
+        assert client.get("/v1/models", headers=_headers("counted")).status_code == 429  # throttled there too
 
 
 def test_a_bodys_bytes_are_charged_before_it_is_parsed(gateway: RunningGateway) -> None:
@@ -178,3 +179,11 @@ def test_a_body_refused_for_an_empty_budget_is_charged_all_the_same(gateway: Run
                             json={"model": "glm-5", "prompt": "hello", "max_tokens": 2})
         # 1.7 MB in debt now (0.8 MB had it not been charged): over a minute and a half to pay off.
         assert after.status_code == 429 and int(after.headers["retry-after"]) > 90
+
+
+def test_listing_the_models_costs_a_request_too(gateway: RunningGateway) -> None:
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        assert [client.get("/v1/models", headers=_headers("lister")).status_code for _ in range(2)] == [200, 200]
+        assert client.get("/v1/models/glm-5", headers=_headers("lister")).status_code == 429
+        assert client.post("/v1/completions", headers=_headers("lister"),
+                           json={"model": "glm-5", "prompt": "hello", "max_tokens": 2}).status_code == 429
