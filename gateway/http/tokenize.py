@@ -29,6 +29,7 @@ from gateway.http.intake import CLOSE, Refused, error_response, identify, receiv
 
 if TYPE_CHECKING:
     from gateway.serving.gateway import Gateway
+    from gateway.tenancy.tenants import Tenant
 
 class TokenizeApi:
     def __init__(self, gateway: Gateway) -> None:
@@ -54,7 +55,7 @@ class TokenizeApi:
             throttle(gateway, tenant)
             with RequestBody() as body:
                 await receive_body(gateway, request.scope, request.receive, body, tenant)
-                payload = await self._answer(kind, body, tenant.name)
+                payload = await self._answer(kind, body, tenant)
         except Refused as refused:
             return error_response(refused.error, refused.headers)
         except GatewayError as error:
@@ -63,12 +64,13 @@ class TokenizeApi:
             return Response(status_code=499)  # nobody is listening; nothing is logged as an error
         return Response(payload, media_type="application/json")
 
-    async def _answer(self, kind: Kind, body: RequestBody, tenant: str) -> bytes:
+    async def _answer(self, kind: Kind, body: RequestBody, tenant: Tenant) -> bytes:
         raw = body.in_memory
         if raw is None:  # large: parsed, tokenized and serialised in an admission worker process
             assert body.path is not None  # a body is in memory or spooled to its file
             limits = {m.name: m.admission.limits for m in self.gateway.models.values()}
-            return await self.gateway.admission_workers.tokenize(kind, body.path, tenant=tenant, limits=limits)
+            return await self.gateway.admission_workers.tokenize(kind, body.path, line=tenant.admission_line,
+                                                                 limits=limits)
         # The same lookup as admission's; a model the gate refused still has its tokenizer, so it answers here too.
         models = self.gateway.models
 

@@ -57,23 +57,24 @@ class Flow:
     def model_for(self, name: str | None) -> ServedModel:
         return resolve_model(name, self.models, lambda model: model.refusal)
 
-    async def admit(self, route: Route, body: ReceivedBody, *, tenant: str) -> tuple[ServedModel, AdmittedRequest]:
+    async def admit(self, route: Route, body: ReceivedBody, *, tenant: Tenant) -> tuple[ServedModel, AdmittedRequest]:
         """Count and check a body: on the event loop when it is small, in an admission worker when it is large."""
         raw = body.in_memory
         if raw is not None:
-            admitted = await admit_body(route, raw, tenant=tenant, find_model=self.model_for)
+            admitted = await admit_body(route, raw, tenant=tenant.name, find_model=self.model_for)
         else:
             assert body.path is not None  # a body is in memory or spooled to its file
             state = {m.name: ModelState(m.admission.limits, m.dialects(), m.refusal, m.engine_template_defaults())
                      for m in self.models.values()}
-            admitted = await self.admission_workers.admit(route, body.path, tenant=tenant, state=state)
+            admitted = await self.admission_workers.admit(route, body.path, tenant=tenant.name,
+                                                          line=tenant.admission_line, state=state)
         return self.models[admitted.model], admitted
 
     async def run(self, route: Route, body: ReceivedBody, tenant: Tenant, limiter: TenantLimiter, salts: CacheSalts,
                   headers: list[tuple[bytes, bytes]], record: RequestRecord, *, sample: bool) -> PDExchange:
         """Admit the request and dispatch it; raises the GatewayError to answer instead (nothing was sent)."""
         started = time.perf_counter()
-        model, admitted = await self.admit(route, body, tenant=tenant.name)
+        model, admitted = await self.admit(route, body, tenant=tenant)
         record.model = model.name
         record.admitted = admitted
         record.sampled = sample and ProvenanceChecker.samples(model.config.integrity.provenance_sample)

@@ -28,6 +28,12 @@ class Tenant:
         return self.cache_group or self.name
 
     @property
+    def admission_line(self) -> str:
+        """Whose line its large bodies wait in (gateway.admission.fair_share): its own when configured; one line for
+        every client no tenant claims, so throwaway keys or addresses cannot each take a share."""
+        return "anonymous:" if self.name.startswith(("key:", "addr:")) else self.name
+
+    @property
     def limited(self) -> bool:
         return self.limits != _NO_LIMITS
 

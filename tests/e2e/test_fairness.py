@@ -4,6 +4,7 @@ itself, while another tenant's large requests are answered as usual."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import socket
 import threading
 import time
@@ -187,3 +188,54 @@ def test_listing_the_models_costs_a_request_too(gateway: RunningGateway) -> None
         assert client.get("/v1/models/glm-5", headers=_headers("lister")).status_code == 429
         assert client.post("/v1/completions", headers=_headers("lister"),
                            json={"model": "glm-5", "prompt": "hello", "max_tokens": 2}).status_code == 429
+
+
+@pytest.fixture(scope="module")
+def open_gateway(pair: EnginePair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    """Keys not required: a client no tenant claims is served as its own (throwaway) tenant."""
+    tenants = [{"name": "patient", "api_keys": [_hashed(KEYS["patient"])]}]
+    config = write_config(tmp_path_factory.mktemp("open"), [model_entry("glm-5", [pair.prefill], [pair.decode])],
+                          tenants=tenants)
+    with running_gateway(config) as running:
+        yield running
+
+
+def test_throwaway_keys_share_one_line_and_cannot_crowd_out_a_configured_tenant(open_gateway: RunningGateway) -> None:
+    junk = b'{"model": "glm-5", "messages": [' + b"1," * (8 << 20) + b'1]}'
+    padded = {"model": "glm-5", "prompt": "hello" + " " * 100_000, "max_tokens": 2}
+    stop = threading.Event()
+    flooder: Counter[int] = Counter()
+
+    def flood(thread: int) -> None:
+        with httpx.Client(base_url=open_gateway.url, timeout=60) as client:
+            for n in itertools.count():
+                if stop.is_set():
+                    return
+                key = {"authorization": f"Bearer junk-{thread}-{n}", "content-type": "application/json"}
+                flooder[client.post("/v1/chat/completions", content=junk, headers=key).status_code] += 1
+
+    warm = [threading.Thread(target=lambda h=h: httpx.post(open_gateway.url + "/v1/completions", json=padded,
+                                                            timeout=60, headers=h))
+            for h in (_headers("patient"), {"authorization": "Bearer warm-up"})]
+    for thread in warm:
+        thread.start()
+    for thread in warm:
+        thread.join()
+    threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(12)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(2.0)
+        latencies, statuses = [], Counter[int]()
+        with httpx.Client(base_url=open_gateway.url, timeout=60) as client:
+            for _ in range(15):
+                started = time.monotonic()
+                statuses[client.post("/v1/completions", json=padded, headers=_headers("patient")).status_code] += 1
+                latencies.append(time.monotonic() - started)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert statuses == {200: 15}, statuses
+    assert max(latencies) <= 1.0, sorted(latencies)
+    assert flooder[429] > 0 and set(flooder) <= {400, 429}, flooder
