@@ -70,11 +70,13 @@ def winnowed(grams: list[int]) -> set[int]:
 
 class ProvenanceWindow:
     """Recent kept n-gram hashes of sampled prompts, each with the one tenant that sent it, or None once a second
-    tenant sent it too (bounded, LRU; common stays common while it is remembered)."""
+    tenant sent it too (common stays common while it is remembered). Bounded: when full, the oldest n-gram of
+    whoever holds the most goes first, so no tenant can push another's prompts out by sending many of its own."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
-        self._owners: OrderedDict[int, str | None] = OrderedDict()
+        self._owners: dict[int, str | None] = {}
+        self._held: dict[str | None, OrderedDict[int, None]] = {}  # owner (None: common) → its n-grams, oldest first
 
     @property
     def capacity(self) -> int:
@@ -85,15 +87,29 @@ class ProvenanceWindow:
         for text in texts:
             grams = list(_grams(text))
             for gram in grams:  # another tenant's n-gram this prompt holds anywhere: common from now on
-                if gram in owners and owners[gram] != tenant:
-                    owners[gram] = None
+                owner = owners.get(gram, tenant)
+                if owner is not None and owner != tenant:
+                    self._move(gram, owner, None)
             for gram in winnowed(grams):
-                if gram in owners:
-                    owners.move_to_end(gram)
-                else:
+                if gram not in owners:
                     owners[gram] = tenant
+                    self._held.setdefault(tenant, OrderedDict())[gram] = None
+                else:
+                    self._held[owners[gram]].move_to_end(gram)
         while len(owners) > self._capacity:
-            owners.popitem(last=False)
+            largest = max(self._held, key=lambda who: len(self._held[who]))
+            gram, _ = self._held[largest].popitem(last=False)
+            del owners[gram]
+            if not self._held[largest]:
+                del self._held[largest]
+
+    def _move(self, gram: int, owner: str | None, to: str | None) -> None:
+        held = self._held[owner]
+        del held[gram]
+        if not held:
+            del self._held[owner]
+        self._owners[gram] = to
+        self._held.setdefault(to, OrderedDict())[gram] = None
 
     def foreign(self, tenant: str, text: str) -> bool:
         """Whether `text` carries an n-gram that one other tenant, and nobody else, sent."""

@@ -146,3 +146,14 @@ def test_any_copied_stretch_of_ngram_plus_window_characters_is_found_wherever_it
         window.remember("a", [prompt])
         answer = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 50))) + prompt[start:start + length]
         assert window.foreign("b", answer), (start, len(answer))
+
+
+def test_a_tenant_flooding_the_window_pushes_out_its_own_prompts_not_anothers() -> None:
+    rng = random.Random(11)
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    secret = "".join(rng.choice(alphabet) for _ in range(400))
+    window = ProvenanceWindow(2_000)
+    window.remember("a", [secret])
+    for _ in range(50):  # far more than the window holds, all the flooder's
+        window.remember("flooder", ["".join(rng.choice(alphabet) for _ in range(2_000))])
+    assert window.foreign("b", "the answer: " + secret[100:300])  # A's prompt is still remembered
