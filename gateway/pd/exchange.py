@@ -50,6 +50,7 @@ from gateway.pd.states import Decode, ExchangeState, Phase, Prefill
 from gateway.pd.timers import IdleWatchdog, parked, stop
 from routing.engines.answers import (
     PROMPT_TOKENS,
+    check_result,
     parse_result,
     reported_cached_tokens,
     reported_prompt_tokens,
@@ -455,8 +456,8 @@ class PDExchange:
             raise EngineBroken("decode", "decode sent an event that is not JSON") from None
         if not isinstance(event, dict):  # a batch's list, a bare value: not an answer to this one request
             raise EngineBroken("decode", "decode sent an event that is not a JSON object")
-        if b'"error"' in data or b'"abort"' in data:
-            parse_result("decode", data)
+        if b'"error"' in data or b'"abort"' in data or b"\\u" in data:  # (\u: a key may be spelled escaped)
+            check_result("decode", event, data)
         # Every count decode reports is checked, each place it states one (a key: inside a JSON string the quotes
         # are escaped, so generated text cannot pose as one).
         for match in PROMPT_TOKENS.finditer(data):

@@ -26,6 +26,11 @@ def parse_result(role: Literal["prefill", "decode"], payload: bytes) -> dict[str
         raise EngineBroken(role, f"{role} answered 2xx with a body that is not JSON") from exc
     if not isinstance(parsed, dict):
         raise EngineBroken(role, f"{role} answered with unexpected JSON")
+    return check_result(role, parsed, payload)
+
+
+def check_result(role: Literal["prefill", "decode"], parsed: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    """`parse_result` for a result already parsed (`payload`: its bytes, for the error's words)."""
     if "error" in parsed or parsed.get("object") == "error":
         message = error_message(payload)
         error = parsed.get("error", parsed)

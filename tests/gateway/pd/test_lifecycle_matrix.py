@@ -187,6 +187,23 @@ def test_an_error_shaped_prefill_2xx_is_a_failure(body: bytes) -> None:
     _run(scenario)
 
 
+@pytest.mark.parametrize("event", [b'{"\\u0065rror": {"message": "boom"}}',
+                                   b'{"text": "", "meta_info": {"prompt_tokens": 10, "finish_reason": '
+                                   b'{"type": "\\u0061bort", "message": "scheduler aborted it"}}}'])
+def test_a_decode_error_or_abort_spelled_with_escapes_is_still_a_failure(event: bytes) -> None:
+    async def scenario() -> None:
+        run = Run()
+        await run.start()
+        await run.prefill_answers()
+        await run.first_token()
+        run.decode.push(event)
+        run.decode.push(b"[DONE]", END)
+        await run.finished()
+        events = run.relayed()
+        assert isinstance(events[-1], Failure) and not any(isinstance(e, Done) for e in events)
+    _run(scenario)
+
+
 # ── the matrix: phase × event ─────────────────────────────────────────────────────────────────────────────────
 PHASES = ["before_prefill_ends", "before_first_token", "mid_stream"]
 
