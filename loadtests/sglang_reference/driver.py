@@ -100,8 +100,10 @@ def build_app(model_dir: str) -> Any:
     async def _hand_off(obj: Any, request: Any = None) -> Any:
         """`TokenizerManager.generate_request` up to `_send_one_request`."""
         obj.normalize_batch_and_arguments()
-        if not obj.is_single:
-            raise ValueError("parity driver: batched requests are not driven")
+        if not obj.is_single:  # a batch of one (a one-element prompt list): its only request, as
+            if obj.batch_size != 1:  # _handle_batch_request tokenizes each
+                raise ValueError("parity driver: batches of several requests are not driven")
+            obj = obj[0]
         for step in ("_set_default_priority",):  # as generate_request, where the version has it
             if hasattr(tokenizer_manager, step):
                 getattr(tokenizer_manager, step)(obj)
