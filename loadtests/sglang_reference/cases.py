@@ -63,7 +63,7 @@ def _call(i: int, name: str = "get_weather", args: str = '{"city": "Paris"}') ->
 
 def conversations(rng: random.Random) -> list[list[dict[str, Any]]]:
     """Message lists: every role, reasoning, tool calls and results, content parts, trailing assistant turns."""
-    t = lambda: rng.choice(TEXTS)  # noqa: E731
+    t = lambda: rng.choice(TEXTS)
     convs: list[list[dict[str, Any]]] = [
         [{"role": "user", "content": t()}],
         [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": t()}],
@@ -106,7 +106,7 @@ def chat_cases(rng: random.Random, n_random: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     base = conversations(rng)
     # every conversation alone, with and without continue_final_message
-    for i, msgs in enumerate(base):
+    for msgs in base:
         out.append({"messages": msgs})
         if msgs[-1]["role"].lower() == "assistant":
             for flag in (True, "yes", False):

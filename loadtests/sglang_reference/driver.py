@@ -45,7 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 CONTEXT_LENGTH = int(os.environ.get("KVGATE_SGLANG_CONTEXT", "65536"))
 
 
-class Handoff(BaseException):  # noqa: N818 - not an error: the request reached the scheduler's door
+class Handoff(BaseException):
     """Raised where the real `generate_request` would hand the tokenized request to the scheduler; a
     BaseException, so that no `except Exception` on SGLang's path turns it into an error answer."""
 
@@ -107,7 +107,8 @@ def build_app(model_dir: str) -> Any:
         for step in ("_set_default_priority",):  # as generate_request, where the version has it
             if hasattr(tokenizer_manager, step):
                 getattr(tokenizer_manager, step)(obj)
-        tokenizer_manager._init_req_state(obj, request)  # the request state _create_tokenized_object reads
+        if hasattr(tokenizer_manager, "_init_req_state"):  # 0.5.22+: the state _create_tokenized_object reads
+            tokenizer_manager._init_req_state(obj, request)
         try:
             tokenized = await tokenizer_manager._tokenize_one_request(obj)
         finally:
@@ -137,9 +138,9 @@ def _check_architecture(version: str, tokenizer_manager: Any) -> None:
     """The driver's model is a Llama; GLM-5's architecture must not select another renderer for this template."""
     if not _at_least(version, (0, 5, 23)):
         return
-    from sglang.srt.parser import python_chat_template
-
     from types import SimpleNamespace
+
+    from sglang.srt.parser import python_chat_template
 
     template = tokenizer_manager.tokenizer.chat_template
     # resolve_python_chat_template(hf_config, hf_chat_template): only the config's architectures are read
