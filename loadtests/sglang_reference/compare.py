@@ -41,14 +41,14 @@ ALL = ("0.5.8", "0.5.22", "0.5.23")
 CHAT = "/v1/chat/completions"
 
 KNOWN: list[Known] = [
-    Known("sglang_refuses", ("0.5.23",), CHAT,
+    Known("sglang_refuses", ("0.5.22", "0.5.23"), CHAT,
           lambda b: _tool_choice_forced(b) and b.get("response_format") is not None,
-          "0.5.23 `serving_chat.OpenAIServingChat._validate_request` refuses tool_choice 'required' or a named "
-          "tool together with response_format; kvgate serves and forwards it, and the engine answers its own 400 "
+          "0.5.22 and 0.5.23 `serving_chat.OpenAIServingChat._validate_request` refuse tool_choice 'required' or a "
+          "named tool together with response_format; kvgate serves and forwards it, and the engine answers its 400 "
           "(passed to the client as a 400). Not a count difference: nothing is scheduled."),
-    Known("emulator", ("0.5.23",), CHAT,
+    Known("emulator", ("0.5.22", "0.5.23"), CHAT,
           lambda b: _tool_choice_forced(b) and b.get("response_format") is not None,
-          "the emulator does not emulate 0.5.23's tool_choice + response_format refusal (same as above); its "
+          "the emulator does not emulate 0.5.22+'s tool_choice + response_format refusal (same as above); its "
           "ids for the request equal what kvgate counted."),
     Known("sglang_refuses", ALL, "/v1/completions", lambda b: b.get("prompt") == "",
           "SGLang's `serving_completions` refuses an empty prompt ('Prompt cannot be empty'); kvgate counts it as "
