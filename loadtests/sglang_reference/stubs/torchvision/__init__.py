@@ -1,0 +1,5 @@
+"""Import stub for `torchvision` (see ../_kvgate_stub.py and ../README.md)."""
+
+from _kvgate_stub import stub_package
+
+stub_package(globals())
