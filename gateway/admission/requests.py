@@ -170,6 +170,8 @@ def _parse_completion(data: dict[str, Any]) -> ClientRequest:
     prompt: Prompt
     if isinstance(prompt_value, list) and len(prompt_value) == 1 and isinstance(prompt_value[0], str):
         prompt_value = prompt_value[0]
+    if prompt_value == "":  # as SGLang's serving_completions._validate_request: "Prompt cannot be empty"
+        raise bad_request("prompt cannot be empty", param="prompt")
     if isinstance(prompt_value, str):
         prompt = TextPrompt(prompt_value)
     elif isinstance(prompt_value, list) and prompt_value and not isinstance(prompt_value[0], (str, list)):

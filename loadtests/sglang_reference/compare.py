@@ -50,9 +50,6 @@ KNOWN: list[Known] = [
           lambda b: _tool_choice_forced(b) and b.get("response_format") is not None,
           "the emulator does not emulate 0.5.22+'s tool_choice + response_format refusal (same as above); its "
           "ids for the request equal what kvgate counted."),
-    Known("sglang_refuses", ALL, "/v1/completions", lambda b: b.get("prompt") == "",
-          "SGLang's `serving_completions` refuses an empty prompt ('Prompt cannot be empty'); kvgate counts it as "
-          "0 tokens and forwards it, and the engine's 400 is passed on. Nothing is scheduled."),
     Known("kvgate_refuses", ALL, CHAT, _template_kwarg("thinking"),
           "kvgate accepts only the chat_template_kwargs its model allows (by default the variables GLM-5's "
           "template reads); `thinking` is not one of them. SGLang passes any key to the template (unused here)."),
