@@ -60,15 +60,17 @@ class AdmissionWorkers:
 
     async def admit(self, route: Route, body_path: str, *, tenant: str, line: str,
                     state: dict[str, ModelState]) -> AdmittedRequest:
-        """`tenant` keys the worker's per-tenant caches; `line` is whose fair share the body waits in."""
-        return await self._run(line, _admit, route, body_path, tenant, state)
+        """`tenant` keys the worker's per-tenant caches (and its home worker); `line` is whose fair share the body
+        waits in."""
+        return await self._run(tenant, line, _admit, route, body_path, tenant, state)
 
-    async def tokenize(self, kind: Kind, body_path: str, *, line: str, limits: dict[str, PromptLimits]) -> bytes:
+    async def tokenize(self, kind: Kind, body_path: str, *, tenant: str, line: str,
+                       limits: dict[str, PromptLimits]) -> bytes:
         """The JSON answer of `/v1/tokenize` or `/v1/detokenize` to a large body (see gateway.http.tokenize)."""
-        return await self._run(line, _tokenize, kind, body_path, limits)
+        return await self._run(tenant, line, _tokenize, kind, body_path, limits)
 
-    async def _run(self, line: str, function: Callable[..., T], *args: Any) -> T:
-        home = int.from_bytes(hashlib.blake2b(line.encode(), digest_size=4).digest(), "big") % len(self._executors)
+    async def _run(self, tenant: str, line: str, function: Callable[..., T], *args: Any) -> T:
+        home = int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=4).digest(), "big") % len(self._executors)
         async with self._share.slot(line, home) as slot:
             executor = self._executor(slot)
             try:

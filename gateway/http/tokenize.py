@@ -69,8 +69,8 @@ class TokenizeApi:
         if raw is None:  # large: parsed, tokenized and serialised in an admission worker process
             assert body.path is not None  # a body is in memory or spooled to its file
             limits = {m.name: m.admission.limits for m in self.gateway.models.values()}
-            return await self.gateway.admission_workers.tokenize(kind, body.path, line=tenant.admission_line,
-                                                                 limits=limits)
+            return await self.gateway.admission_workers.tokenize(kind, body.path, tenant=tenant.name,
+                                                                 line=tenant.admission_line, limits=limits)
         # The same lookup as admission's; a model the gate refused still has its tokenizer, so it answers here too.
         models = self.gateway.models
 
