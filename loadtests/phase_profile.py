@@ -51,9 +51,18 @@ ORDER = ("intake and body", "admission and count", "tenancy", "pick and lease", 
          "HTTP framework (ASGI, Starlette, uvicorn)", LOOP, OTHER_THREADS, PROFILER)
 
 
+# The frames that run the loop itself (uvloop's loop is C: the Python frame below every callback is the one that
+# called run_until_complete). At or below one of them is the loop's own work, whatever module called it.
+_BOTTOM = (("/asyncio/runners.py", "run"), ("/asyncio/base_events.py", "run_until_complete"),
+           ("/asyncio/base_events.py", "run_forever"), ("/uvicorn/server.py", "run"))
+
+
 def phase_of(frame: FrameType | None) -> str:
     while frame is not None:
-        path = frame.f_code.co_filename
+        code = frame.f_code
+        path = code.co_filename
+        if any(path.endswith(file) and code.co_name == name for file, name in _BOTTOM):
+            return LOOP
         for fragment, phase in _PHASES:
             if fragment in path:
                 return phase
