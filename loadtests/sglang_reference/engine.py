@@ -126,9 +126,10 @@ def _command(python: Path, model: Path, port: int, role: str, bootstrap_port: in
 def start_pair(log_dir: Path, version: str = VERSION) -> Pair:
     """Start a prefill and a decode and wait until both answer /health; EngineUnavailable (with the log's tail)
     when either cannot."""
-    if not build.is_built(version):
-        raise EngineUnavailable(f"the SGLang {version} venv is not built (python -m loadtests.sglang_reference.build)")
-    python = build.python_for(version)
+    try:  # built here when this file runs first (the parity test would build it anyway)
+        python = build.build(version)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        raise EngineUnavailable(f"the SGLang {version} venv cannot be built: {exc}") from exc
     mooncake = ensure_mooncake(python)
     model = build.model_dir()
     env = engine_env(mooncake)
