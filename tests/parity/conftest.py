@@ -3,4 +3,6 @@ SGLang version (loadtests/sglang_reference/build.py), and the default suite stay
 
 import os
 
-collect_ignore = [] if os.environ.get("KVGATE_SGLANG_PARITY") == "1" else ["test_sglang_parity.py"]
+# test_sglang_engine.py: a real SGLang prefill/decode pair on the CPU behind kvgate (loadtests/sglang_reference/engine.py)
+TIER = ["test_sglang_parity.py", "test_sglang_engine.py"]
+collect_ignore = [] if os.environ.get("KVGATE_SGLANG_PARITY") == "1" else TIER
