@@ -73,18 +73,21 @@ class Flow:
     async def run(self, route: Route, body: ReceivedBody, tenant: Tenant, limiter: TenantLimiter, salts: CacheSalts,
                   headers: list[tuple[bytes, bytes]], record: RequestRecord, *, sample: bool) -> PDExchange:
         """Admit the request and dispatch it; raises the GatewayError to answer instead (nothing was sent)."""
-        started = time.perf_counter()
-        model, admitted = await self.admit(route, body, tenant=tenant)
-        record.model = model.name
-        record.admitted = admitted
-        record.sampled = sample and ProvenanceChecker.samples(model.config.integrity.provenance_sample)
-        record.admission_s = time.perf_counter() - started
-        tenant_pass = await limiter.admit(tenant, admitted.most_prompt_tokens)
-        with ExitStack() as held:  # what is still ours: popped once the exchange owns it
-            held.callback(tenant_pass.release)
-            salt = salts.salt(tenant.salt_group, admitted.cache_salt)
-            key = model.route_key(admitted, headers, salt)
-            async with self.inflight.queued(record.request_id or "") as waiting:
+        # Abortable by its id from the start: an abort while its body is still being counted refuses it after.
+        async with self.inflight.queued(record.request_id or "") as waiting:
+            started = time.perf_counter()
+            model, admitted = await self.admit(route, body, tenant=tenant)
+            record.model = model.name
+            record.admitted = admitted
+            record.sampled = sample and ProvenanceChecker.samples(model.config.integrity.provenance_sample)
+            record.admission_s = time.perf_counter() - started
+            if waiting.aborted:
+                raise aborted_by_operator()
+            tenant_pass = await limiter.admit(tenant, admitted.most_prompt_tokens)
+            with ExitStack() as held:  # what is still ours: popped once the exchange owns it
+                held.callback(tenant_pass.release)
+                salt = salts.salt(tenant.salt_group, admitted.cache_salt)
+                key = model.route_key(admitted, headers, salt)
                 started = time.perf_counter()
                 lease = await _acquire(model, key)
                 record.queue_s = time.perf_counter() - started
