@@ -24,6 +24,10 @@ IDLE_EXPIRY_S = 4.0
 # Unread response bytes above which reading from the socket pauses (the consumer is slower than the engine).
 _HIGH_WATER = 1 << 20
 _LOW_WATER = 1 << 18
+_CHUNK_COST = 64  # bytes a buffered chunk costs beyond its payload (the bytes object, the deque slot)
+# Framing (chunk sizes, trailers) may exceed the body it carries by at most this much: an engine's SSE chunks carry far
+# more than their few bytes of framing; tiny chunks or an endless trailer are not an engine's answer.
+_FRAMING_SLACK = 128 * 1024  # (the head, up to 64 KiB, may share a read with the first body bytes)
 
 
 class HttpError(Exception):
@@ -104,7 +108,7 @@ class Response:
         while True:
             if self._chunks:
                 chunk = self._chunks.popleft()
-                self._take(len(chunk))
+                self._take(len(chunk) + _CHUNK_COST)
                 yield chunk
                 continue
             if self._complete:
@@ -125,7 +129,7 @@ class Response:
     # ── fed by the connection ───────────────────────────────────────────────────────────────────────────────
     def _feed(self, chunk: bytes) -> None:
         self._chunks.append(chunk)
-        self._buffered += len(chunk)
+        self._buffered += len(chunk) + _CHUNK_COST
         if self._buffered > _HIGH_WATER:
             self._conn.pause_reading()
         self._wake()
@@ -167,6 +171,8 @@ class HttpConnection(asyncio.Protocol):
         self._reading_paused = False
         self._head_bytes = 0  # of the response whose headers are still coming
         self._header_count = 0
+        self._framing = 0  # bytes received for this response beyond its head and body: chunk framing, trailers
+        self._body_bytes = 0
         self.closed = False
         self.idle_since = 0.0
 
@@ -178,6 +184,7 @@ class HttpConnection(asyncio.Protocol):
         if self._response is None:
             self._abort(ProtocolViolation("bytes received with no request outstanding"))
             return
+        body_before = self._body_bytes
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -190,6 +197,11 @@ class HttpConnection(asyncio.Protocol):
             self._head_bytes += len(data)
             if self._head_bytes > MAX_RESPONSE_HEAD_BYTES:
                 self._abort(ProtocolViolation(f"response headers over {MAX_RESPONSE_HEAD_BYTES} bytes"))
+        elif response is not None:
+            body = self._body_bytes - body_before
+            self._framing += len(data) - body
+            if self._framing > self._body_bytes + _FRAMING_SLACK:
+                self._abort(ProtocolViolation("more framing than body (tiny chunks or endless trailers)"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -206,6 +218,8 @@ class HttpConnection(asyncio.Protocol):
     # ── httptools callbacks ─────────────────────────────────────────────────────────────────────────────────
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self._response is not None
+        if self._response.status:
+            raise ProtocolViolation("response trailers (no engine sends any)")  # ends the parse
         self._header_count += 1
         if self._header_count > MAX_RESPONSE_HEADERS:
             raise ProtocolViolation(f"more than {MAX_RESPONSE_HEADERS} response headers")  # ends the parse
@@ -220,6 +234,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         assert self._response is not None
+        self._body_bytes += len(body)
         self._response._feed(body)
 
     def on_message_complete(self) -> None:
@@ -233,7 +248,7 @@ class HttpConnection(asyncio.Protocol):
         if self.closed or self._transport is None or self._transport.is_closing():
             raise ConnectionClosed("connection is closed")
         self._parser = httptools.HttpResponseParser(self)
-        self._head_bytes = self._header_count = 0
+        self._head_bytes = self._header_count = self._framing = self._body_bytes = 0
         response = self._response = Response(self, on_finish)
         self._headers_ready = asyncio.get_running_loop().create_future()
         if _length(body) < _COALESCE_BYTES:

@@ -321,3 +321,22 @@ def test_a_server_info_over_its_cap_fails_the_identity_check() -> None:
         await client.close()
         engine.close()
     _run(scenario())
+
+
+@pytest.mark.parametrize("reply", [
+    STREAM_HEAD + _chunk(b'data: {"a":1}\n\n') + b"0\r\nx-trailer: " + b"t" * (4 << 20),  # an endless trailer
+    STREAM_HEAD + b"".join(_chunk(b"d") for _ in range(200_000)),  # framing far beyond the body it carries
+])
+def test_endless_trailers_and_tiny_chunks_fail_before_they_grow_the_gateway(reply: bytes) -> None:
+    async def scenario() -> None:
+        engine = Engine(reply)
+        worker, client = _worker(await engine.start()), _client()
+        response = await client.generate(worker, "/generate", (b"{}",))
+        with pytest.raises(EngineError) as caught:
+            async for _ in response.events(1 << 20):
+                pass
+        assert "trailers" in str(caught.value) or "framing" in str(caught.value)
+        response.close()
+        await client.close()
+        engine.close()
+    _run(scenario())
