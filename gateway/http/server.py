@@ -40,6 +40,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     max_header_bytes = 64 * 1024
     max_headers = 100
     head_timeout_s = 10.0
+    # A body still arriving this long after its head closes the connection, whether or not the app reads it (an
+    # answer given before the body was read — 401, 404, 429 — would otherwise keep a slow body's socket for good).
+    # The app's own body timer (`timeouts.client_body_s`) answers 408 a second sooner where it reads the body.
+    body_timeout_s = 31.0
     max_connections = 1024
     client_share = 256  # connections one client address may hold
     key_share = 256  # connections one API key may hold, from any number of addresses
@@ -55,6 +59,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_too_large = False
         self._over_capacity = False
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._two_keys = False
         self._address: str | None = None
         self._key: bytes | None = None  # a digest of the API key its last request named
         self._request_key: bytes | None = None
@@ -76,6 +82,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        self._disarm_body_timer()
         if self._address is not None:
             _forget(self.by_address, self._address)
             self._address = None
@@ -91,6 +98,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_too_large = False
         self._request_key = None
+        self._two_keys = False
         if self._head_timer is None:
             self._arm_head_timer()
 
@@ -100,12 +108,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._head_too_large = True
             raise ValueError("too many headers")
         if len(name) == 13 and name.lower() == b"authorization":  # a digest: the key itself is not kept here
+            if self._request_key is not None:  # which one would count? The tenant takes the first: refused
+                self._two_keys = True
+                raise ValueError("two authorization headers")
             self._request_key = hashlib.blake2b(bearer_key_of(value), digest_size=16).digest()
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm_head_timer()
+        self._body_timer = asyncio.get_running_loop().call_later(self.body_timeout_s, self._body_timed_out)
         if self._request_key != self._key:  # the connection now counts for the key its request names
             if self._key is not None:
                 _forget(self.by_key, self._key)
@@ -119,6 +131,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._over_capacity = True
             raise ConnectionRefusedError("over max_connections")  # stops the parser: answered in _feed
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm_body_timer()
+        super().on_message_complete()
+
+    def _disarm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -173,6 +199,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                              retry_after_s=1)
             elif self._head_too_large:
                 self._reject()
+            elif self._two_keys:
+                self._answer(400, "Bad Request", "invalid_request", "a request carries one authorization header")
             else:
                 self.send_400_response("Invalid HTTP request received.")
 
@@ -202,6 +230,7 @@ def uvicorn_config(app: ASGIApp, config: GatewayConfig, *, log_level: str, loop:
     protocol = type("GatewayHttpProtocol", (GuardedHttpToolsProtocol,),
                     {"max_header_bytes": config.max_header_bytes, "max_headers": config.max_headers,
                      "head_timeout_s": config.timeouts.client_head_s, "max_connections": config.max_connections,
+                     "body_timeout_s": config.timeouts.client_body_s + 1,
                      "client_share": config.connections_per_client, "key_share": config.connections_per_key,
                      "by_address": Counter(), "by_key": Counter()})
     # log_config=None: uvicorn's loggers propagate to the root handler kvgate set up (text or JSON lines); the

@@ -185,6 +185,37 @@ def test_a_connection_that_never_finishes_its_request_head_is_closed_with_408(
     assert answer.startswith(b"HTTP/1.1 408") and 0.5 < time.monotonic() - started < 5
 
 
+def test_a_body_the_app_never_reads_still_ends_its_connection_after_the_body_timeout(gateway: RunningGateway) -> None:
+    """An answer given before the body is read (here a 404) must not leave a slow body's socket open for good."""
+    port = int(gateway.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /nope HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n" + b"x" * 10)
+        started = time.monotonic()
+        assert sock.recv(65536).startswith(b"HTTP/1.1 404")
+        while True:  # a byte now and then, never the whole body
+            try:
+                sock.sendall(b"x")
+            except OSError:
+                break
+            try:
+                sock.settimeout(0.2)
+                if sock.recv(65536) == b"":
+                    break
+            except TimeoutError:
+                pass
+            assert time.monotonic() - started < 8, "the connection stayed open"
+    assert 1.5 < time.monotonic() - started < 8  # client_body_s (1 s) + 1
+
+
+def test_two_authorization_headers_are_refused(gateway: RunningGateway) -> None:
+    port = int(gateway.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer a\r\n"
+                     b"authorization: Bearer b\r\n\r\n")
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 400") and b"one authorization header" in answer
+
+
 def test_an_early_exit_413_states_a_bound_not_a_count(client: httpx.Client) -> None:
     response = client.post("/v1/chat/completions", json=_chat([{"role": "user", "content": "word " * 200_000}]))
     assert response.status_code == 413
