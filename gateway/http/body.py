@@ -89,6 +89,7 @@ async def read_body(scope: Scope, receive: Receive, body: RequestBody, limit: in
             raise ConnectionAbortedError
         chunk = message.get("body", b"")
         if body.size + len(chunk) > limit:
+            body.size += len(chunk)  # charged to the tenant all the same (it was sent)
             raise BodyTooLarge(limit)
         body.add(chunk)
         if not message.get("more_body", False):

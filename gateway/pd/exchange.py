@@ -458,6 +458,8 @@ class PDExchange:
             raise EngineBroken("decode", "decode sent an event that is not a JSON object")
         if b'"error"' in data or b'"abort"' in data or b"\\u" in data:  # (\u: a key may be spelled escaped)
             check_result("decode", event, data)
+            # What goes on is what was checked: a key given twice keeps one value here, and so for the client.
+            data = orjson.dumps(event)
         # Every count decode reports is checked, each place it states one (a key: inside a JSON string the quotes
         # are escaped, so generated text cannot pose as one).
         for match in PROMPT_TOKENS.finditer(data):

@@ -204,6 +204,21 @@ def test_a_decode_error_or_abort_spelled_with_escapes_is_still_a_failure(event: 
     _run(scenario)
 
 
+def test_a_decode_event_with_a_key_given_twice_goes_out_as_it_was_checked() -> None:
+    async def scenario() -> None:
+        run = Run()
+        await run.start()
+        await run.prefill_answers()
+        await run.first_token()
+        run.decode.push(b'{"text": "xy", "meta_info": {"prompt_tokens": %d, "finish_reason": {"type": "abort"}, '
+                        b'"finish_reason": null}}' % COUNT)
+        run.decode.push(b"[DONE]", END)
+        await run.finished()
+        relayed = [e for e in run.relayed() if isinstance(e, bytes)]
+        assert relayed and not any(b"abort" in e for e in relayed)  # a client keeping the first value sees no abort
+    _run(scenario)
+
+
 # ── the matrix: phase × event ─────────────────────────────────────────────────────────────────────────────────
 PHASES = ["before_prefill_ends", "before_first_token", "mid_stream"]
 
