@@ -5,7 +5,6 @@ that restarts, and one that dies (approximate mode within one liveness interval)
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -15,6 +14,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from loadtests.engine.harness import free_port  # below the ephemeral range: no outgoing connection takes it meanwhile
 from routing.prefix_index import CacheIndex, CacheMode, PromptTokens
 from routing.prefix_index.blocks import ids_to_bytes
 from routing.prefix_index.subscriber import EventsEndpoint, KvEventSubscriber
@@ -22,10 +22,6 @@ from routing.prefix_index.subscriber import EventsEndpoint, KvEventSubscriber
 LIVENESS_S = 0.3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Publisher:
@@ -39,11 +35,13 @@ class Publisher:
         self.replay = ctx.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
         for sock, port in ((self.pub, pub_port), (self.replay, replay_port)):
-            for _ in range(100):  # a port just given back by a closed publisher takes ZMQ's IO thread a moment
+            for attempt in range(100):  # a port just given back by a closed publisher takes ZMQ's IO thread a moment
                 try:
                     sock.bind(f"tcp://127.0.0.1:{port}")
                     break
                 except zmq.ZMQError:
+                    if attempt == 99:
+                        raise
                     time.sleep(0.02)
         self.seq = 0
         self.buffer: list[tuple[int, bytes]] = []
