@@ -16,6 +16,8 @@ Malformed batches are counted and skipped; nothing an engine sends can stop the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,6 +88,9 @@ class _Rank:
         return self.connected and self.answering
 
 
+_MONITOR_IDS = itertools.count()
+
+
 class KvEventSubscriber:
     def __init__(self, name: str, index: CacheIndex, endpoints: list[EventsEndpoint], *, liveness_s: float,
                  on_mode: Callable[[CacheMode], None] | None = None) -> None:
@@ -104,7 +109,13 @@ class KvEventSubscriber:
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, rank.endpoint.topic.encode())
-            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            # A monitor address of its own: pyzmq's default names it by the socket's fd, which a socket closed a
+            # moment ago may still hold (the reaper frees it later), so a new subscriber would hear no CONNECTED.
+            address = f"inproc://kvgate-kv-monitor-{next(_MONITOR_IDS)}"
+            sub.monitor(address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            monitor = self._ctx.socket(zmq.PAIR)
+            monitor.setsockopt(zmq.LINGER, 0)
+            monitor.connect(address)
             sub.connect(rank.endpoint.endpoint)
             rank.sockets = [sub, monitor]
             rank.tasks = [loop.create_task(self._receive(rank, sub), name=f"kvgate-kv-events-{self.name}"),
@@ -119,6 +130,9 @@ class KvEventSubscriber:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for rank in self._ranks:
+            if rank.sockets:
+                with contextlib.suppress(zmq.ZMQError):
+                    rank.sockets[0].disable_monitor()
             for socket in reversed(rank.sockets):
                 socket.close(linger=0)
             rank.sockets = []
