@@ -43,9 +43,11 @@ CHAT = "/v1/chat/completions"
 KNOWN: list[Known] = [
     Known("sglang_refuses", ("0.5.22", "0.5.23"), CHAT,
           lambda b: _tool_choice_forced(b) and b.get("response_format") is not None,
-          "0.5.22 and 0.5.23 `serving_chat.OpenAIServingChat._validate_request` refuse tool_choice 'required' or a "
-          "named tool together with response_format; kvgate serves and forwards it, and the engine answers its 400 "
-          "(passed to the client as a 400). Not a count difference: nothing is scheduled."),
+          "0.5.22 and 0.5.23 `protocol.ChatCompletionRequest.to_sampling_params` refuse tool_choice 'required' or a "
+          "named tool when a tool-call constraint meets an output constraint (response_format, regex, ebnf): "
+          "'cannot both be honored' (it depends on the server's tool-call parser, not on the prompt); kvgate serves "
+          "and forwards it, and the engine answers its 400 (passed to the client as a 400). Not a count difference: "
+          "nothing is scheduled."),
     Known("emulator", ("0.5.22", "0.5.23"), CHAT,
           lambda b: _tool_choice_forced(b) and b.get("response_format") is not None,
           "the emulator does not emulate 0.5.22+'s tool_choice + response_format refusal (same as above); its "
