@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -41,20 +41,25 @@ class Replica:
         return sum(int(w["in_flight"]) for w in workers if w["role"] == "decode")
 
 
+R = TypeVar("R", bound=Replica)
+
+
 @contextmanager
 def replicas(directory: Path, pair: EnginePair, count: int, *, state: dict[str, Any],
-             tenants: list[dict[str, Any]]) -> Iterator[list[Replica]]:
+             tenants: list[dict[str, Any]], routing: dict[str, Any] | None = None,
+             kind: type[R] = Replica) -> Iterator[list[R]]:  # type: ignore[assignment]
     env = {**os.environ, "KVGATE_ADMIN_TOKEN": ADMIN_TOKEN}
-    started: list[Replica] = []
+    started: list[R] = []
+    model = model_entry("glm-5", [pair.prefill], [pair.decode], **({"routing": routing} if routing else {}))
     try:
         for _ in range(count):
-            config = write_config(directory, [model_entry("glm-5", [pair.prefill], [pair.decode])],
-                                  state={"backend": "redis", **state}, auth={"required": True}, tenants=tenants)
+            config = write_config(directory, [model], state={"backend": "redis", **state}, auth={"required": True},
+                                  tenants=tenants)
             port = int(config.stem.split("-")[1])
             process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
                                         "--log-level", "warning"], cwd=ROOT, env=env, text=True,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            started.append(Replica(f"http://127.0.0.1:{port}", process))
+            started.append(kind(f"http://127.0.0.1:{port}", process))
         for replica in started:
             assert wait_for(lambda r=replica: _ready(r.url), timeout_s=60), "a replica did not start"
         yield started

@@ -4,11 +4,7 @@ another owns (on both halves), and a replica killed with SIGKILL leaves no phant
 
 from __future__ import annotations
 
-import hashlib
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,35 +14,25 @@ import pytest
 
 from loadtests.engine.harness import EnginePair, start_pair
 from tests.engine_records import records, wait_for
-from tests.gateway_harness import ROOT, model_entry, write_config
+from tests.fleet.fleet_harness import ADMIN_TOKEN, chat, hashed
+from tests.fleet.fleet_harness import Replica as BaseReplica
+from tests.fleet.fleet_harness import replicas as replicas_of
 from tests.redis_harness import RedisServer, redis_server
 
-ADMIN_TOKEN = "fleet-admin-token"
 KEYS = {"metered": "sk-metered-0123", "capped": "sk-capped-4567", "free": "sk-free-89ab"}
 TOKENS_PER_MIN = 3000
 LEASE_S = 2.0
 
 
-def _hashed(key: str) -> str:
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
-
-
 @dataclass
-class Replica:
-    url: str
-    process: subprocess.Popen[str]
-
+class Replica(BaseReplica):
     def post(self, path: str, key: str | None = "free", **kwargs: object) -> httpx.Response:
         headers = {"authorization": f"Bearer {KEYS[key]}"} if key else {}
         return httpx.post(self.url + path, headers=headers, timeout=30, **kwargs)  # type: ignore[arg-type]
 
-    def admin(self, path: str) -> httpx.Response:
-        return httpx.post(self.url + path, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
-
     def workers(self) -> list[dict[str, object]]:
         return httpx.get(self.url + "/admin/workers", headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
                          timeout=10).json()["workers"]
-
 
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
@@ -64,60 +50,26 @@ def pair() -> Iterator[EnginePair]:
 @pytest.fixture(scope="module")
 def replicas(redis: RedisServer, pair: EnginePair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
     tenants = [
-        {"name": "metered", "api_keys": [_hashed(KEYS["metered"])], "limits": {"prompt_tokens_per_min": TOKENS_PER_MIN}},
-        {"name": "capped", "api_keys": [_hashed(KEYS["capped"])], "limits": {"max_concurrent": 2}},
-        {"name": "free", "api_keys": [_hashed(KEYS["free"])]},
+        {"name": "metered", "api_keys": [hashed(KEYS["metered"])], "limits": {"prompt_tokens_per_min": TOKENS_PER_MIN}},
+        {"name": "capped", "api_keys": [hashed(KEYS["capped"])], "limits": {"max_concurrent": 2}},
+        {"name": "free", "api_keys": [hashed(KEYS["free"])]},
     ]
-    directory = tmp_path_factory.mktemp("replicas")
-    env = {**os.environ, "KVGATE_ADMIN_TOKEN": ADMIN_TOKEN}
-    started: list[Replica] = []
-    try:
-        for _ in range(3):
-            config = write_config(directory, [model_entry("glm-5", [pair.prefill], [pair.decode],
-                                                          routing={"decode_policy": "least_outstanding"})],
-                                  state={"backend": "redis", "redis_url": redis.url, "lease_s": LEASE_S,
-                                         "sync_interval_s": 0.1, "timeout_s": 1.0},  # a loaded CI machine
-                                  auth={"required": True}, tenants=tenants)
-            port = int(config.stem.split("-")[1])
-            process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-                                        "--log-level", "warning"], cwd=ROOT, env=env, text=True,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            started.append(Replica(f"http://127.0.0.1:{port}", process))
-        for replica in started:
-            assert wait_for(lambda r=replica: _ready(r.url), timeout_s=60), "a replica did not start"
+    with replicas_of(tmp_path_factory.mktemp("replicas"), pair, 3, tenants=tenants, kind=Replica,
+                     routing={"decode_policy": "least_outstanding"},
+                     state={"redis_url": redis.url, "lease_s": LEASE_S, "sync_interval_s": 0.1,
+                            "timeout_s": 1.0}) as started:  # (timeout_s: a loaded CI machine)
         yield started
-    finally:
-        for replica in started:
-            if replica.process.poll() is None:
-                replica.process.terminate()
-        for replica in started:
-            try:
-                replica.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                replica.process.kill()
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _chat(text: str, max_tokens: int = 1, stream: bool = False) -> dict[str, object]:
-    return {"model": "glm-5", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "stream": stream, "ignore_eos": True}
 
 
 def test_requests_need_a_known_api_key(replicas: list[Replica]) -> None:
     a = replicas[0]
-    missing = a.post("/v1/chat/completions", key=None, json=_chat("hi"))
+    missing = a.post("/v1/chat/completions", key=None, json=chat("hi"))
     assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
     assert missing.json()["error"]["code"] == "invalid_api_key"
     wrong = httpx.post(a.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-nobody"},
-                       json=_chat("hi"), timeout=10)
+                       json=chat("hi"), timeout=10)
     assert wrong.status_code == 401
-    assert a.post("/v1/chat/completions", json=_chat("hi")).status_code == 200
+    assert a.post("/v1/chat/completions", json=chat("hi")).status_code == 200
 
 
 def test_a_tenants_token_budget_holds_across_replicas(replicas: list[Replica]) -> None:
@@ -126,7 +78,7 @@ def test_a_tenants_token_budget_holds_across_replicas(replicas: list[Replica]) -
     started = time.monotonic()
     for i in range(80):
         replica = replicas[i % 2]
-        response = replica.post("/v1/chat/completions", key="metered", json=_chat(f"{i} {prompt}"))
+        response = replica.post("/v1/chat/completions", key="metered", json=chat(f"{i} {prompt}"))
         if response.status_code == 200:
             tokens = int(response.headers["x-kvgate-prompt-tokens"])
             admitted += tokens
@@ -152,16 +104,16 @@ def test_the_kill_switch_reaches_every_replica_within_a_second(replicas: list[Re
     assert a.admin("/admin/models/glm-5/disable").status_code == 200
     switched = time.monotonic()
     for replica in (b, c):
-        while (status := replica.post("/v1/chat/completions", json=_chat("x")).status_code) == 200:
+        while (status := replica.post("/v1/chat/completions", json=chat("x")).status_code) == 200:
             assert time.monotonic() - switched < 1.0, "a replica still serves a disabled model after 1 s"
             time.sleep(0.02)
         assert status == 503
-    refused = a.post("/v1/chat/completions", json=_chat("x"))
+    refused = a.post("/v1/chat/completions", json=chat("x"))
     assert refused.status_code == 503 and "disabled by an operator" in refused.json()["error"]["message"]
     assert b.admin("/admin/models/glm-5/enable").status_code == 200
     switched = time.monotonic()
     for replica in replicas:
-        while replica.post("/v1/chat/completions", json=_chat("x")).status_code != 200:
+        while replica.post("/v1/chat/completions", json=chat("x")).status_code != 200:
             assert time.monotonic() - switched < 1.0
             time.sleep(0.02)
 
@@ -170,7 +122,7 @@ def test_an_abort_sent_to_one_replica_cancels_a_stream_another_owns_on_both_halv
         replicas: list[Replica], pair: EnginePair) -> None:
     a, b = replicas[0], replicas[1]
     request_id = f"fleet-abort-{time.monotonic_ns()}"
-    with httpx.stream("POST", b.url + "/v1/chat/completions", json=_chat("tell a long story", 400, stream=True),
+    with httpx.stream("POST", b.url + "/v1/chat/completions", json=chat("tell a long story", 400, stream=True),
                       headers={"authorization": f"Bearer {KEYS['free']}", "x-request-id": request_id},
                       timeout=30) as response:
         assert response.status_code == 200
@@ -192,13 +144,13 @@ def test_an_abort_sent_to_one_replica_cancels_a_stream_another_owns_on_both_halv
 
 def test_a_replica_killed_with_sigkill_leaves_no_phantom_load_once_its_lease_lapses(replicas: list[Replica]) -> None:
     a, c = replicas[0], replicas[2]
-    streams = [httpx.stream("POST", c.url + "/v1/chat/completions", json=_chat("a long one", 2000, stream=True),
+    streams = [httpx.stream("POST", c.url + "/v1/chat/completions", json=chat("a long one", 2000, stream=True),
                             headers={"authorization": f"Bearer {KEYS['capped']}"}, timeout=60) for _ in range(2)]
     responses = [stream.__enter__() for stream in streams]
     try:
         assert all(response.status_code == 200 for response in responses)
         # C holds both of the tenant's slots: A refuses a third, and sees C's two requests on the decode engine.
-        third = a.post("/v1/chat/completions", key="capped", json=_chat("one more"))
+        third = a.post("/v1/chat/completions", key="capped", json=chat("one more"))
         assert third.status_code == 429 and third.headers["retry-after"]
         assert wait_for(lambda: _decode_load(a) == 2, timeout_s=2)
         c.process.send_signal(signal.SIGKILL)
@@ -211,7 +163,7 @@ def test_a_replica_killed_with_sigkill_leaves_no_phantom_load_once_its_lease_lap
             except httpx.HTTPError:
                 pass
     assert wait_for(lambda: _decode_load(a) == 0, timeout_s=LEASE_S + 2)
-    assert wait_for(lambda: a.post("/v1/chat/completions", key="capped", json=_chat("now")).status_code == 200,
+    assert wait_for(lambda: a.post("/v1/chat/completions", key="capped", json=chat("now")).status_code == 200,
                     timeout_s=LEASE_S + 2)
     assert time.monotonic() - killed <= LEASE_S + 2
 
