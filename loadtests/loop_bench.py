@@ -197,10 +197,14 @@ def measure(port: int, size: int, *, only: set[str] | None = None,
         lat = probe.window(start, end + 0.05)
         all_latencies.extend(lat)
         statuses.append((name, status))
-        report(f"{name:28s} {mib:7.1f} MiB -> {status} in {end - start:6.2f}s   /healthz "
-               f"n={len(lat):4d} p50={1000 * percentile(lat, 50):5.1f}ms p99={1000 * percentile(lat, 99):5.1f}ms "
-               f"max={1000 * max(lat, default=float('nan')):6.1f}ms   {answer[:70]!r}")
+        report(_case_line(name, f"{mib:7.1f} MiB", status, end - start, lat, answer))
     return all_latencies, statuses
+
+
+def _case_line(name: str, size: str, status: int, took_s: float, lat: list[float], answer: bytes) -> str:
+    return (f"{name:28s} {size} -> {status} in {took_s:6.2f}s   /healthz n={len(lat):4d} "
+            f"p50={1000 * percentile(lat, 50):5.1f}ms p99={1000 * percentile(lat, 99):5.1f}ms "
+            f"max={1000 * max(lat, default=float('nan')):6.1f}ms   {answer[:70]!r}")
 
 
 ENGINE_CASES = (("decode_huge_event", "decode"), ("prefill_huge_body", "prefill"))
@@ -231,9 +235,7 @@ def measure_engine_side(port: int, pair: EnginePair, size: int, *, only: set[str
         lat = probe.window(start, end + 0.3)
         all_latencies.extend(lat)
         statuses.append((name, status))
-        report(f"{name:28s} {size / 1e6:7.1f} MB  -> {status} in {end - start:6.2f}s   /healthz "
-               f"n={len(lat):4d} p50={1000 * percentile(lat, 50):5.1f}ms p99={1000 * percentile(lat, 99):5.1f}ms "
-               f"max={1000 * max(lat, default=float('nan')):6.1f}ms   {answer[:70]!r}")
+        report(_case_line(name, f"{size / 1e6:7.1f} MB ", status, end - start, lat, answer))
     return all_latencies, statuses
 
 
