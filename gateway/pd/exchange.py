@@ -4,7 +4,8 @@
                  engine, fails the request before either is sent); then both sent at once with the same
                  gateway-owned rid and bootstrap_room
       ├─ prefill: read to its end (it answers only after the KV transfer), checked, its prompt count verified
-      └─ decode:  streamed (even for a non-streaming client, to see the first token), each event checked
+      └─ decode:  streamed to a streaming client, each event checked; asked for a whole answer for a client that
+                  does not stream (one read, one check: a stream costs both sides an event per token)
     RELEASE    ─ with `release: verified` (the default) no decode byte reaches the relay until prefill has answered
                  2xx and every prompt count the engines reported equals the gateway's own; `immediate` relays at once
     DONE       ─ decode sent [DONE], prefill answered 2xx with a clean body, every reported count verified
@@ -14,7 +15,8 @@
                    2. only then close decode and send it /abort_request
                  so a decode never frees KV pages that a prefill may still be writing into.
     CLIENT GONE ─ the request keeps running until prefill has answered and decode has produced its first token
-                  (no KV transfer is cut mid-way), then decode is closed and sent /abort_request.
+                  (no KV transfer is cut mid-way; for a whole answer: until prefill has answered 2xx, which it does
+                  only after its KV transfer succeeded), then decode is closed and sent /abort_request.
 
 The exchange runs in tasks of its own, never in the client's handler, so a disconnect cannot cancel it;
 `ExchangeRegistry` keeps it alive until both halves are closed and every abort has been sent.
@@ -206,7 +208,12 @@ class PDExchange:
             link.release()  # a half cancelled before it ran never used its connection: back to the pool
         for timer in self._timers:
             timer.cancel()
-        self._watchdog.stop()
+        # Nothing the exchange holds refers back to it once closed (timers, watchdog and tasks hold its bound
+        # methods and coroutines): refcounting frees it at once, not the cyclic collector — each exchange left to
+        # the collector made its runs frequent and slow (~10% of the gateway's CPU).
+        self._timers = []
+        self._watchdog.close()
+        self._dispatch_task = self._prefill_task = self._decode_task = None
         self._lease.release()
         self.finished_at = time.monotonic()
         self.state.move(Phase.CLOSED)
@@ -243,9 +250,12 @@ class PDExchange:
         self._maybe_let_go()
 
     def _maybe_let_go(self) -> None:
-        """With the client gone, decode is closed once prefill has answered and decode has sent its first token."""
-        if self.client_gone and self.failure is None and self.first_token_at is not None \
-                and self.state.prefill_settled and self._decode_task is not None and not self._decode_task.done():
+        """With the client gone, decode is closed once no KV transfer can be under way: prefill has answered and
+        decode has sent its first token — or, for a whole answer (no first token to see), prefill has answered 2xx,
+        which SGLang's prefill does only once its KV transfer has succeeded."""
+        if self.client_gone and self.failure is None and self._decode_task is not None \
+                and not self._decode_task.done() and self.state.prefill_settled \
+                and (self.first_token_at is not None or (not self.admitted.stream and self.state.prefill_ok)):
             self._decode_task.cancel()
 
     def _prefill_timeout(self) -> None:
@@ -256,7 +266,8 @@ class PDExchange:
                                                 f"prefill did not answer within {self.timeouts.prefill_s:g}s"))
 
     def _first_token_timeout(self) -> None:
-        if self.first_token_at is None:
+        # A whole answer shows no first token: once prefill has delivered, only the total time limit bounds it.
+        if self.first_token_at is None and (self.admitted.stream or not self.state.prefill_ok):
             # Decode's first token needs prefill's KV: decode is to blame only if prefill has delivered.
             blame = self.pair.decode if self.state.prefill_ok else None
             self._fail_leg(blame, EngineTimeout(
@@ -391,34 +402,10 @@ class PDExchange:
         response: EngineStream | None = None
         try:
             response = await link.generate(self.admitted.route, body, self.plan.engine_headers)
-            async for data in response.events(self.plan.engine_event_bytes):
-                self._watchdog.touch()
-                if self.state.decode is Decode.SAID_DONE:
-                    raise EngineBroken("decode", "decode sent an event after [DONE]")
-                if data == b"[DONE]":
-                    self.state.move(Decode.SAID_DONE)
-                    continue
-                first = self.first_token_at is None
-                if first:
-                    self.first_token_at = time.monotonic()
-                    self.state.move(Decode.STREAMING)
-                    self._watchdog.arm()
-                    if self._judge_first_token_time():
-                        await parked()  # failed under strict: `_cancel` closes this half in the safe order
-                self._on_decode_event(data, worker, expected)
-                if first:
-                    self._maybe_let_go()
-                    self._judge(worker, None)  # decode works: a half-open breaker's probe succeeded here
-                if self.events.held_bytes > RELAY_HIGH_WATER:
-                    # A slow client: stop reading from decode until it catches up. Decode's silence meanwhile is
-                    # the client's doing: the idle timer waits too.
-                    self._watchdog.pause()
-                    await self.events.drained()
-                    self._watchdog.arm()
-            if self.first_token_at is None:
-                raise EngineBroken("decode", "decode stream ended before its first token")
-            if self.state.decode is not Decode.SAID_DONE:
-                raise EngineBroken("decode", "decode stream ended without [DONE]")
+            if self.admitted.stream:
+                await self._read_stream(response, worker, expected)
+            else:
+                await self._read_whole(response, worker, expected)
             if self.plan.release_verified and not self.state.decode_counted:
                 raise EngineBroken("decode", "decode never reported its prompt token count")
             # Only now is the answer whole and checked: the relay's Done (its 200's end) waits for this.
@@ -437,7 +424,7 @@ class PDExchange:
             if self.failure is None and not self.client_gone:
                 raise
         except Exception:  # an answer this code did not foresee must still end the request, never hang it
-            log.exception("decode stream for rid=%s could not be handled", self.rid)
+            log.exception("decode answer for rid=%s could not be handled", self.rid)
             self._judge(worker, EngineBroken("decode", "unforeseen answer"))
             self.fail(GatewayError(502, "the decode engine's answer could not be handled", code="decode_failed"))
             await parked()
@@ -448,6 +435,53 @@ class PDExchange:
             self.decode_closed_at = time.monotonic()
             if self.client_gone and self.failure is None and not self.state.decode_finished:
                 self._spawn(self._abort(worker))
+
+    async def _read_stream(self, response: EngineStream, worker: Worker, expected: int) -> None:
+        """A streaming client's answer: decode's events, each checked as it comes, to its [DONE]."""
+        async for data in response.events(self.plan.engine_event_bytes):
+            self._watchdog.touch()
+            if self.state.decode is Decode.SAID_DONE:
+                raise EngineBroken("decode", "decode sent an event after [DONE]")
+            if data == b"[DONE]":
+                self.state.move(Decode.SAID_DONE)
+                continue
+            first = self.first_token_at is None
+            if first and await self._first_output():
+                await parked()  # failed under strict: `_cancel` closes this half in the safe order
+            self._on_decode_event(data, worker, expected)
+            if first:
+                self._maybe_let_go()
+                self._judge(worker, None)  # decode works: a half-open breaker's probe succeeded here
+            if self.events.held_bytes > RELAY_HIGH_WATER:
+                # A slow client: stop reading from decode until it catches up. Decode's silence meanwhile is
+                # the client's doing: the idle timer waits too.
+                self._watchdog.pause()
+                await self.events.drained()
+                self._watchdog.arm()
+        if self.first_token_at is None:
+            raise EngineBroken("decode", "decode stream ended before its first token")
+        if self.state.decode is not Decode.SAID_DONE:
+            raise EngineBroken("decode", "decode stream ended without [DONE]")
+
+    async def _read_whole(self, response: EngineStream, worker: Worker, expected: int) -> None:
+        """A non-streaming client's answer, asked of decode whole: one read and one parse, where a stream would
+        cost an event per token on both sides (SGLang's /generate stream repeats the whole text so far in every
+        event: O(n²) bytes). Checked as one event is; its arrival stands for the first token (later than it,
+        so the first-token-time judgement only gets more lenient)."""
+        payload = await response.body(self.plan.engine_answer_bytes)
+        if await self._first_output():
+            await parked()
+        self._on_decode_event(payload, worker, expected)
+        self.state.move(Decode.SAID_DONE)
+
+    async def _first_output(self) -> bool:
+        """Decode's first output is in: the watchdog starts; True when the first-token-time judgement failed the
+        exchange (under strict)."""
+        self.first_token_at = time.monotonic()
+        self.state.move(Decode.STREAMING)
+        if self.admitted.stream:
+            self._watchdog.arm()
+        return self._judge_first_token_time()
 
     def _on_decode_event(self, data: bytes, worker: Worker, expected: int) -> None:
         try:

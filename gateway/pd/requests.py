@@ -54,8 +54,13 @@ def engine_bodies(admitted: AdmittedRequest, prefill: Worker, rid: str, room: in
         orjson.dumps(prefill.bootstrap_port))
     if cache_salt is not None:
         owned += b',"extra_key":' + orjson.dumps(cache_salt)
-    # The decode always streams, to see the first token; on the OpenAI routes it reports usage in every event.
-    decode_extra = b',"stream":true' if admitted.route == "/generate" else \
-        b',"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
+    # A streaming client's decode reports usage in every OpenAI event (each count is verified before release); a
+    # client that does not stream gets decode's whole answer, with its usage.
+    if not admitted.stream:
+        decode_extra = b',"stream":false'
+    elif admitted.route == "/generate":
+        decode_extra = b',"stream":true'
+    else:
+        decode_extra = b',"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
     head = memoryview(base)[:-1]
     return (head, owned + b',"stream":false}'), (head, owned + decode_extra + b"}")

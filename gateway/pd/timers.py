@@ -43,6 +43,15 @@ class IdleWatchdog:
             self._timer.cancel()
             self._timer = None
 
+    def close(self) -> None:
+        """Stopped for good: the callback (its owner's bound method, a reference cycle) is let go."""
+        self.stop()
+        self._on_idle = _never
+
+
+def _never() -> None:
+    pass
+
 
 async def parked() -> None:
     """Wait until cancelled."""

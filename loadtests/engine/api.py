@@ -300,6 +300,9 @@ class GenerationAPI:
             else:
                 rec.finish(ERROR, fault.status, fault.message)
                 req.respond(fault.status, orjson.dumps(error))
+        elif fault.action == "bad_chunk":  # not streaming: a whole answer that is cut off mid-object
+            rec.finish(ERROR, 200, "corrupt answer by fault")
+            req.respond(200, b'{"choices": [{"index": 0, "message"')
         elif fault.action == "drop":
             rec.finish(ERROR, None, "connection dropped by fault")
             req.conn.abort()
