@@ -26,7 +26,8 @@ ratios kvgate/peer are printed last (they do not depend on how fast the machine 
 
 Final lines (machine-readable): `nonstream_cpu_ms_per_req=…`, `stream32_cpu_ms_per_req=…`, `loop_lag_p99_ms=…`, and
 with a peer `peer_nonstream_cpu_ms_per_req=…`, `peer_stream32_cpu_ms_per_req=…`, `nonstream_cpu_ratio=…`,
-`stream32_cpu_ratio=…`.
+`stream32_cpu_ratio=…`, `engines_nonstream_cpu_ratio=…` (the engines' CPU per non-streaming request through
+kvgate over through the router).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class Row:
     ttfts: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     cpu_s: float | None = None
+    engines_cpu_s: float = 0.0  # both emulated engines' CPU over the row
     rss_mib: float | None = None
     window: tuple[float, float] = (0.0, 0.0)
     phases: dict[str, float] = field(default_factory=dict)  # CPU seconds per phase (--profile)
@@ -118,6 +120,10 @@ class Row:
     @property
     def cpu_ms_per_req(self) -> float | None:
         return None if self.cpu_s is None else 1000 * self.cpu_s / max(1, self.done)
+
+    @property
+    def engines_cpu_ms_per_req(self) -> float:
+        return 1000 * self.engines_cpu_s / max(1, self.done)
 
 
 class Load:
@@ -229,8 +235,10 @@ async def _run_row(load: Load, scenario: Scenario, front: Front) -> Row:
     if front.profile is not None:
         front.profile()  # what the warm-up cost is not this row's
     cpu0 = cpu_seconds(front.pid) if front.pid else None
+    engines0 = _engines_cpu(load.pair)
     mono0, wall0 = time.monotonic(), time.perf_counter()
     await _drive(one, scenario.requests, scenario.concurrency, row)
+    row.engines_cpu_s = _engines_cpu(load.pair) - engines0
     row.wall_s = time.perf_counter() - wall0
     row.window = (mono0, time.monotonic())
     if front.pid:
@@ -239,6 +247,10 @@ async def _run_row(load: Load, scenario: Scenario, front: Front) -> Row:
     if front.profile is not None:
         row.phases = front.profile()
     return row
+
+
+def _engines_cpu(pair: EnginePair) -> float:
+    return sum(cpu_seconds(engine.proc.pid) for engine in (pair.prefill, pair.decode) if engine.proc is not None)
 
 
 async def _drive(one: Callable[[Row], Awaitable[None]], count: int, concurrency: int, row: Row) -> None:
@@ -318,7 +330,8 @@ def _start_router(python: str, pair: EnginePair) -> tuple[subprocess.Popen[bytes
 
 def report(rows: list[Row], lags: tuple[list[float], list[float]]) -> None:
     header = (f"{'scenario':<15} {'front':<13} {'ok':>5} {'right':>5} {'other':>5} {'req/s':>7} {'p50 ms':>7} "
-              f"{'p99 ms':>7} {'ttft50':>7} {'ttft99':>7} {'CPU s/1k':>8} {'RSS MiB':>7} {'lag p99':>7}")
+              f"{'p99 ms':>7} {'ttft50':>7} {'ttft99':>7} {'CPU s/1k':>8} {'eng s/1k':>8} {'RSS MiB':>7} "
+              f"{'lag p99':>7}")
     print()
     print(header)
     print("-" * len(header))
@@ -339,14 +352,15 @@ def report(rows: list[Row], lags: tuple[list[float], list[float]]) -> None:
         lag = f"{1000 * percentile(window, 99):7.2f}" if window else f"{'-':>7}"
         print(f"{row.scenario.name:<15} {row.front.name:<13} {row.statuses.get('200', 0):>5} {right:>5} {other:>5} "
               f"{row.done / max(row.wall_s, 1e-9):>7.0f} {ms(row.latencies, 50)} {ms(row.latencies, 99)} "
-              f"{ms(row.ttfts, 50)} {ms(row.ttfts, 99)} {cpu} {rss} {lag}")
+              f"{ms(row.ttfts, 50)} {ms(row.ttfts, 99)} {cpu} {row.engines_cpu_ms_per_req:8.3f} {rss} {lag}")
         odd = {s: n for s, n in row.statuses.items() if s != "200" and not (s.isdigit() and int(s) in
                                                                           row.scenario.expected)}
         if odd and row.scenario.name != "disconnects":
             print(f"{'':<29} other answers: {dict(odd)}")
     print()
     print("right: the right answer other than 200 (413 over the limit, 502 for an injected engine failure, a client "
-          "that left); CPU s/1k: the front's CPU seconds per 1,000 requests; lag: kvgate's event-loop timer lag")
+          "that left); CPU s/1k: the front's CPU seconds per 1,000 requests; eng s/1k: both engines' CPU seconds per "
+          "1,000 requests through that front; lag: kvgate's event-loop timer lag")
 
 
 _SHORT = {"intake and body": "intake", "admission and count": "admit", "tenancy": "tenant", "pick and lease": "pick",
@@ -456,6 +470,12 @@ def _summary(rows: list[Row], lags: tuple[list[float], list[float]]) -> None:
         print(f"peer_stream32_cpu_ms_per_req={peer_stream:.3f}")
         print(f"nonstream_cpu_ratio={nonstream / peer_nonstream:.2f}   (target <= 1.5)")
         print(f"stream32_cpu_ratio={stream / peer_stream:.2f}   (target <= 1.2)")
+    engines = {front: [r.engines_cpu_ms_per_req for r in rows if r.scenario.name == "generate16"
+                       and r.front.name == front] for front in ("direct", "kvgate", "sglang-router")}
+    if engines["kvgate"] and engines["sglang-router"]:
+        print(f"engines_nonstream_cpu_ms_per_req=direct:{engines['direct'][0]:.3f} kvgate:{engines['kvgate'][0]:.3f} "
+              f"router:{engines['sglang-router'][0]:.3f}")
+        print(f"engines_nonstream_cpu_ratio={engines['kvgate'][0] / engines['sglang-router'][0]:.2f}   (target <= 1.1)")
 
 
 if __name__ == "__main__":
