@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import re
 import time
 import traceback
 
@@ -19,7 +17,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.http.admin import AdminApi
 from gateway.http.generate import GenerateEndpoint
-from gateway.http.intake import Refused, charge, error_response, identify, retry_after, throttle
+from gateway.http.intake import Refused, charge, error_response, identify, request_id_of, retry_after, throttle
 from gateway.http.tokenize import TokenizeApi
 from gateway.serving.canary import CanaryProber
 from gateway.serving.gateway import GateRefused, Gateway
@@ -44,13 +42,13 @@ class GatewayApp:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        if scope["type"] == "http":
-            send = _with_request_id(scope, send)
         endpoint = self.endpoints.get(scope["path"]) if scope["type"] == "http" else None
-        if endpoint is None:
-            await self.app(scope, receive, send)
-        else:
+        if endpoint is not None:
             await endpoint(scope, receive, send)
+        elif scope["type"] == "http":
+            await self.app(scope, receive, _with_request_id(scope, send))
+        else:
+            await self.app(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup
@@ -74,15 +72,9 @@ class GatewayApp:
         await send({"type": "lifespan.shutdown.complete"})
 
 
-_CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
-
-
 def _with_request_id(scope: Scope, send: Send) -> Send:
-    """Every answer carries x-request-id: the client's own when it sent a sane one (bounded, no separators that
-    could split a log line or a header), else a new one. The request keeps it in scope for logs and engines."""
-    sent = next((value for name, value in scope["headers"] if name == b"x-request-id"), None)
-    request_id = sent if sent is not None and _CLIENT_REQUEST_ID.fullmatch(sent) else os.urandom(16).hex().encode()
-    scope["kvgate.request_id"] = request_id.decode()
+    """Every answer carries x-request-id (the generate endpoints stamp their own)."""
+    request_id = request_id_of(scope)
 
     async def stamped(message: Message) -> None:
         if message["type"] == "http.response.start":

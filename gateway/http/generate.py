@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from gateway.admission.requests import Route
 from gateway.errors import GatewayError, shutting_down
 from gateway.http.body import RequestBody
-from gateway.http.intake import CLOSE, Headers, Refused, identify, receive_body, retry_after, throttle
-from gateway.http.relay import relay, send_error, watch_disconnect
+from gateway.http.intake import CLOSE, Headers, Refused, identify, receive_body, request_id_of, retry_after, throttle
+from gateway.http.relay import ClientResponse, relay, send_error, watch_disconnect
 from gateway.integrity.probe import is_probe
 from gateway.pd.exchange import PDExchange
 from gateway.telemetry.record import RequestRecord
@@ -26,7 +26,6 @@ from gateway.tenancy.tenants import CANARY
 if TYPE_CHECKING:
     from gateway.serving.gateway import Gateway
 
-_ANSWER_KEPT = 1 << 18  # bytes of a sampled answer kept for the provenance check
 
 
 class GenerateEndpoint:
@@ -38,24 +37,16 @@ class GenerateEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         record = RequestRecord(self.route, probe=is_probe(scope))
-        if "kvgate.request_id" in scope:
-            record.request_id = scope["kvgate.request_id"]
+        request_id = request_id_of(scope)
+        record.request_id = request_id.decode()
         if not record.probe:
             self.gateway.tracing.start_request(record, scope["headers"])
-
-        async def observed(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                record.status = message["status"]
-            elif record.sampled and len(record.answer) < _ANSWER_KEPT:
-                record.answer += message.get("body", b"")[: _ANSWER_KEPT - len(record.answer)]
-            await send(message)
-
         try:
-            await self._serve(scope, receive, observed, record)
+            await self._serve(scope, receive, ClientResponse(send, request_id, record), record)
         finally:
             self.gateway.observe_request(record)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, record: RequestRecord) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: ClientResponse, record: RequestRecord) -> None:
         if scope["method"] != "POST":
             await send_error(send, GatewayError(405, f"{self.route} accepts POST only"))
             return
@@ -76,7 +67,7 @@ class GenerateEndpoint:
         finally:
             watcher.cancel()
 
-    async def _admit(self, scope: Scope, receive: Receive, send: Send, body: RequestBody,
+    async def _admit(self, scope: Scope, receive: Receive, send: ClientResponse, body: RequestBody,
                      record: RequestRecord) -> PDExchange | None:
         """Who asks and its body (the way in), then the serving flow: admitted and dispatched, or refused (the
         error answered here, None returned)."""
@@ -98,7 +89,7 @@ class GenerateEndpoint:
         return None
 
     @staticmethod
-    async def _refuse(send: Send, record: RequestRecord, error: GatewayError, headers: Headers = ()) -> None:
+    async def _refuse(send: ClientResponse, record: RequestRecord, error: GatewayError, headers: Headers = ()) -> None:
         """Answer an error before any engine saw the request."""
         record.refused = error
         await send_error(send, error, headers)

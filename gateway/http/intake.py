@@ -5,6 +5,8 @@ tenant: 401 before the body), whether it is throttled (429 before the body), and
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,16 @@ class Refused(Exception):
         super().__init__(error.message)
         self.error = error
         self.headers = headers
+
+
+_CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
+
+
+def request_id_of(scope: Scope) -> bytes:
+    """The id every answer carries as x-request-id: the client's own when it sent a sane one (bounded, no
+    separators that could split a log line or a header), else a new one."""
+    sent = next((value for name, value in scope["headers"] if name == b"x-request-id"), None)
+    return sent if sent is not None and _CLIENT_REQUEST_ID.fullmatch(sent) else os.urandom(16).hex().encode()
 
 
 def error_response(error: GatewayError, headers: Headers = ()) -> Response:

@@ -12,26 +12,50 @@ from gateway.errors import GatewayError
 from gateway.http.intake import Headers, retry_after
 from gateway.pd.events import ClientGone, Done, Failure, RelayEvent
 from gateway.pd.exchange import PDExchange
+from gateway.telemetry.record import RequestRecord
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
 _DONE_EVENT = b"data: [DONE]\n\n"
+ANSWER_KEPT = 1 << 18  # bytes of a sampled answer kept for the provenance check
 # A usage object inside an OpenAI stream chunk (one level of nesting: prompt_tokens_details).
 _USAGE = re.compile(rb',"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
 
 
-async def send_json(send: Send, status: int, body: bytes, headers: Headers = ()) -> None:
-    all_headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *headers]
-    await send({"type": "http.response.start", "status": status, "headers": all_headers})
-    await send({"type": "http.response.body", "body": body})
+class ClientResponse:
+    """The generate routes' way out: the ASGI `send`, with the request's id stamped on the head and what the access
+    record needs observed on the way (the status; a sampled answer's first bytes, for the provenance check)."""
+
+    __slots__ = ("_record", "_request_id", "_send")
+
+    def __init__(self, send: Send, request_id: bytes, record: RequestRecord) -> None:
+        self._send = send
+        self._request_id = request_id
+        self._record = record
+
+    async def start(self, status: int, headers: Headers) -> None:
+        self._record.status = status
+        await self._send({"type": "http.response.start", "status": status,
+                          "headers": [*headers, (b"x-request-id", self._request_id)]})
+
+    async def body(self, data: bytes, *, more: bool = False) -> None:
+        record = self._record
+        if record.sampled and len(record.answer) < ANSWER_KEPT:
+            record.answer += data[: ANSWER_KEPT - len(record.answer)]
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
 
-async def send_error(send: Send, error: GatewayError, headers: Headers = ()) -> None:
-    await send_json(send, error.status, error.json(), headers)
+async def send_json(response: ClientResponse, status: int, body: bytes, headers: Headers = ()) -> None:
+    await response.start(status, [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *headers])
+    await response.body(body)
 
 
-async def relay(exchange: PDExchange, send: Send) -> None:
+async def send_error(response: ClientResponse, error: GatewayError, headers: Headers = ()) -> None:
+    await send_json(response, error.status, error.json(), headers)
+
+
+async def relay(exchange: PDExchange, send: ClientResponse) -> None:
     """The exchange's events to the client, as it asked for them."""
     if exchange.admitted.stream:
         await _relay_stream(exchange, send)
@@ -60,7 +84,7 @@ def _presented(payload: bytes, usage: UsageOptions | None) -> bytes | None:
     return payload if usage.continuous else _USAGE.sub(b',"usage":null', payload)
 
 
-async def _relay_stream(exchange: PDExchange, send: Send) -> None:
+async def _relay_stream(exchange: PDExchange, send: ClientResponse) -> None:
     queue = exchange.events
     usage = exchange.admitted.usage if exchange.admitted.route != "/generate" else None
     event: RelayEvent | None = await queue.get()
@@ -71,7 +95,7 @@ async def _relay_stream(exchange: PDExchange, send: Send) -> None:
             # Nothing was sent yet, so the failure keeps its own status code.
             await send_error(send, error, retry_after(error))
             return
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + _count_header(exchange)})
+    await send.start(200, _SSE_HEADERS + _count_header(exchange))
     while True:
         parts: list[bytes] = []
         while isinstance(event, bytes):
@@ -82,20 +106,20 @@ async def _relay_stream(exchange: PDExchange, send: Send) -> None:
         body = b"".join(parts)
         match event:
             case None:
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+                await send.body(body, more=True)
                 event = await queue.get()
             case Done():
-                await send({"type": "http.response.body", "body": body + _DONE_EVENT, "more_body": False})
+                await send.body(body + _DONE_EVENT)
                 return
             case Failure(error):
                 # A stream that already started cannot change its status: an error event and no [DONE].
-                await send({"type": "http.response.body", "body": body + error.sse_event(), "more_body": False})
+                await send.body(body + error.sse_event())
                 return
             case ClientGone():
                 return
 
 
-async def _relay_whole(exchange: PDExchange, send: Send) -> None:
+async def _relay_whole(exchange: PDExchange, send: ClientResponse) -> None:
     answer: bytes | None = None
     while True:
         match await exchange.events.get():
