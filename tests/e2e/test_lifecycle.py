@@ -206,3 +206,30 @@ def test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_uni
         # The prefill's configured bootstrap_port, never the client's.
         assert all(r["bootstrap_port"] == pair.prefill.bootstrap_port for r in seen)
         assert len({r["bootstrap_room"] for r in seen}) == requests
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"model": "glm-5", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"model": "glm-5", "max_tokens": 8, "prompt": "hi"}),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 8}}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_streams_only_to_a_streaming_client_and_a_whole_answer_is_decodes_own(
+        gateway: RunningGateway, pair: EnginePair, path: str, body: dict, stream: bool) -> None:
+    """A client that does not stream gets decode's own whole answer (one read and one check on each side, where a
+    stream costs an event per token); prefill is never streamed."""
+    reset(pair.prefill, pair.decode)
+    response = httpx.post(gateway.url + path, timeout=30, json={**body, "stream": stream})
+    assert response.status_code == 200
+    decode = wait_for(lambda: [r for r in generation_records(pair.decode) if r["outcome"]], timeout_s=5)
+    prefill = wait_for(lambda: [r for r in generation_records(pair.prefill) if r["outcome"]], timeout_s=5)
+    assert [r["stream"] for r in decode] == [stream] and [r["stream"] for r in prefill] == [False]
+    if stream:
+        assert response.text.rstrip().endswith("data: [DONE]")
+        return
+    answer = response.json()
+    reported = answer["meta_info"]["prompt_tokens"] if path == "/generate" else answer["usage"]["prompt_tokens"]
+    assert reported == int(response.headers["x-kvgate-prompt-tokens"]) == decode[0]["prompt_tokens"]
+    assert decode[0]["completion_tokens"] == 8
+    if path == "/v1/chat/completions":
+        assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["role"] == "assistant"
