@@ -36,9 +36,8 @@ class GenerateEndpoint:
         self.gateway = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        record = RequestRecord(self.route, probe=is_probe(scope))
         request_id = request_id_of(scope)
-        record.request_id = request_id.decode()
+        record = RequestRecord(self.route, request_id.decode(), probe=is_probe(scope))
         if not record.probe:
             self.gateway.tracing.start_request(record, scope["headers"])
         try:

@@ -74,7 +74,7 @@ class Flow:
                   headers: list[tuple[bytes, bytes]], record: RequestRecord, *, sample: bool) -> PDExchange:
         """Admit the request and dispatch it; raises the GatewayError to answer instead (nothing was sent)."""
         # Abortable by its id from the start: an abort while its body is still being counted refuses it after.
-        async with self.inflight.queued(record.request_id or "") as waiting:
+        async with self.inflight.queued(record.request_id) as waiting:
             started = time.perf_counter()
             model, admitted = await self.admit(route, body, tenant=tenant)
             record.model = model.name
@@ -98,9 +98,8 @@ class Flow:
                     raise model_unavailable(model.name, model.refusal, detail=model.unavailable)
                 plan = self._plan(model, admitted, key, record, salt)
                 exchange = PDExchange(self.engines, lease, plan, self.exchanges, tenant_pass=tenant_pass)
-                if record.request_id is not None:  # registered in the fleet since queued; forgotten at close
-                    self.inflight.dispatched(record.request_id, exchange)
-                    waiting.handed_over()
+                self.inflight.dispatched(record.request_id, exchange)  # registered since queued; forgotten at close
+                waiting.handed_over()
                 held.pop_all()
         exchange.start()
         return exchange

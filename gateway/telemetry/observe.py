@@ -31,7 +31,8 @@ def observe_request(metrics: GatewayMetrics, record: RequestRecord, *, limit: in
         metrics.prompt_tokens.labels(model).observe(exchange.prompt_tokens)
         if limit:
             metrics.limit_ratio.labels(model).observe(exchange.prompt_tokens / limit)
-    access_log.info("request", extra={"access": _access_fields(record, model, status)})
+    if not access_log.disabled and access_log.isEnabledFor(logging.INFO):  # off: not even its fields are built
+        access_log.info("request", extra={"access": _access_fields(record, model, status)})
 
 
 def observe_exchange(metrics: GatewayMetrics, exchange: PDExchange) -> None:

@@ -4,7 +4,6 @@ traces and the access log. Never holds prompt text."""
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,7 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class RequestRecord:
     route: str
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the client's x-request-id, when it sent one
+    request_id: str  # the x-request-id every answer carries: the client's own when sane, else a new one
     started_at: float = field(default_factory=time.monotonic)
     model: str = ""  # a configured model's name, once known
     status: int = 0  # 0 until a response started (499 in metrics: the client left first)
