@@ -35,7 +35,8 @@ class TimeoutsConfig(_Strict):
 
     connect_s: float = Field(5.0, gt=0)
     prefill_s: float = Field(600.0, gt=0, description="dispatch until prefill has answered")
-    first_token_s: float = Field(600.0, gt=0, description="dispatch until decode's first token")
+    first_token_s: float = Field(600.0, gt=0, description="dispatch until decode's first token (a non-streaming "
+                                 "request's whole answer shows none: until prefill has answered, then total_s)")
     idle_s: float = Field(60.0, gt=0, description="longest silence between two decode chunks")
     total_s: float = Field(1800.0, gt=0, description="whole request, end to end")
     abort_s: float = Field(5.0, gt=0, description="one /abort_request call")

@@ -41,7 +41,8 @@ def observe_exchange(metrics: GatewayMetrics, exchange: PDExchange) -> None:
     end = exchange.finished_at or exchange.started_at
     outcome = exchange.outcome
     metrics.duration.labels(model, outcome).observe(end - exchange.started_at)
-    if exchange.first_token_at is not None:
+    # A whole answer's arrival is not a first token: it would read as a slow one (and no inter-token gap either).
+    if exchange.first_token_at is not None and exchange.admitted.stream:
         ttft = exchange.first_token_at - exchange.started_at
         metrics.ttft.labels(model).observe(ttft)
         if exchange.prompt_tokens >= 1024:
@@ -88,7 +89,7 @@ def _access_fields(record: RequestRecord, model: str, status: int) -> dict[str, 
         fields.update(rid=exchange.rid, prompt_tokens=exchange.prompt_tokens, prefill=exchange.pair.prefill.url,
                       decode=exchange.pair.decode.url, outcome=exchange.outcome, retries=exchange.retries_made,
                       output_bytes=exchange.output_bytes)
-        if exchange.first_token_at is not None:
+        if exchange.first_token_at is not None and exchange.admitted.stream:
             fields["ttft_ms"] = round((exchange.first_token_at - exchange.started_at) * 1000, 1)
     failure = exchange.failure.error if exchange is not None and exchange.failure is not None else record.refused
     if failure is not None and failure.status >= 500:  # the whole story, worker addresses included, for the operator
