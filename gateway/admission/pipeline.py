@@ -10,7 +10,7 @@ from typing import Protocol, TypeVar
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
 from gateway.admission.chat import ChatSettings, default_template_kwargs
 from gateway.admission.chat_template import ChatTemplate
-from gateway.admission.counting import TokenCounter
+from gateway.admission.counting import INLINE_CHARS, TokenCounter
 from gateway.admission.dialects import Dialect
 from gateway.admission.requests import Route, decode_json_object, parse_request, reject_unknown_model, requested_model
 from gateway.admission.tokenizer import ModelTokenizer
@@ -80,6 +80,9 @@ def build_admission(config: ModelConfig, *, cache_bytes: int) -> Admission:
     prefix_tokens = routing.prefix_tokens if "prefix_affinity" in (routing.prefill_policy, routing.decode_policy) \
         else None
     route_tokens = routing.cache_aware_tokens if routing.prefill_policy == "cache_aware" else None
-    return Admission(config.name, tokenizer, TokenCounter(tokenizer, cache_bytes=cache_bytes), template,
+    # Short prompts are encoded whole — unless the cache-aware policy's routing ids, encoded first, leave their
+    # counts in the cache for the count to take.
+    counter = TokenCounter(tokenizer, cache_bytes=cache_bytes, single_pass_chars=0 if route_tokens else INLINE_CHARS)
+    return Admission(config.name, tokenizer, counter, template,
                      ChatSettings(template.content_format, allowed), limits, prefix_tokens=prefix_tokens,
                      route_tokens=route_tokens)
