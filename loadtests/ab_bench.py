@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from loadtests.bench import CONTEXT, Front, Load, _write_config, run_row, scenarios
 from loadtests.engine.harness import start_pair
-from loadtests.procstat import LAG_FILE_ENV, REPO_ROOT, wait_ready
+from loadtests.procstat import LAG_FILE_ENV, REPO_ROOT, stop_process, wait_ready
 
 ROWS = ("generate16", "chat32_stream")
 Figures = dict[str, float]
@@ -84,11 +83,7 @@ def _measure(checkout: Path, config: Path, port: int, load: Load, lag_file: Path
 
         return asyncio.run(rows())
     finally:
-        gateway.send_signal(signal.SIGTERM)
-        try:
-            gateway.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
+        stop_process(gateway)
 
 
 if __name__ == "__main__":

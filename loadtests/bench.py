@@ -37,7 +37,6 @@ import asyncio
 import gzip
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -66,6 +65,7 @@ from loadtests.procstat import (
     percentile,
     read_lags,
     serve_with_lag_probe,
+    stop_process,
     take_profile,
     wait_ready,
 )
@@ -434,11 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             _summary(rows, lags)
         finally:
             for process in processes:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+                stop_process(process)
     print(f"(bench took {time.monotonic() - began:.0f}s on {os.cpu_count()} cores; engines, fronts and this client "
           f"share them)")
     return 0

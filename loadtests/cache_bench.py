@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,7 @@ import orjson
 import yaml
 
 from loadtests.engine.harness import RunningEngine, free_port, start_engine
-from loadtests.procstat import GLM5_TEMPLATE, GLM5_TOKENIZER, REPO_ROOT, percentile, wait_ready
+from loadtests.procstat import GLM5_TEMPLATE, GLM5_TOKENIZER, REPO_ROOT, percentile, stop_process, wait_ready
 
 MODEL = "glm-5"
 CONTEXT = 131072
@@ -174,11 +173,7 @@ def _start_front(spec: FrontSpec, directory: Path, prefills: list[RunningEngine]
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    stop_process(process)
 
 
 # ── one run ───────────────────────────────────────────────────────────────────────────────────────────────────

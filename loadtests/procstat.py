@@ -66,6 +66,15 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
+    """SIGTERM (a gateway drains and exits), then SIGKILL if it has not exited within `timeout_s`."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

@@ -25,7 +25,6 @@ import asyncio
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import orjson
 import yaml
 
 from loadtests.engine.harness import EnginePair, free_port, start_pair
-from loadtests.procstat import GLM5_TEMPLATE, GLM5_TOKENIZER, REPO_ROOT, open_fds, rss_mib, wait_ready
+from loadtests.procstat import GLM5_TEMPLATE, GLM5_TOKENIZER, REPO_ROOT, open_fds, rss_mib, stop_process, wait_ready
 
 ADMIN_TOKEN = "soak-admin"
 POOL, CONTEXT = 16_384, 32_768
@@ -173,11 +172,7 @@ def run(seconds: float) -> int:
             print(f"requests={sum(n for k, n in tally.outcomes.items() if not k.startswith('fault'))} "
                   f"in {elapsed:.0f}s; outcomes: {dict(sorted(tally.outcomes.items()))}")
         finally:
-            gateway.send_signal(signal.SIGTERM)
-            try:
-                gateway.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                gateway.kill()
+            stop_process(gateway, timeout_s=30)
     for failure in failures:
         print(f"FAILED: {failure}")
     print(f"soak_ok={int(not failures)}")

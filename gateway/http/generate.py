@@ -45,28 +45,28 @@ class GenerateEndpoint:
         finally:
             self.gateway.observe_request(record)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: ClientResponse, record: RequestRecord) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, response: ClientResponse, record: RequestRecord) -> None:
         if scope["method"] != "POST":
-            await send_error(send, GatewayError(405, f"{self.route} accepts POST only"))
+            await send_error(response, GatewayError(405, f"{self.route} accepts POST only"))
             return
         if self.gateway.shutting_down:
-            await self._refuse(send, record, shutting_down(), [*CLOSE, (b"retry-after", b"1")])
+            await self._refuse(response, record, shutting_down(), [*CLOSE, (b"retry-after", b"1")])
             return
         if self.gateway.fleet.closed:
-            await self._refuse(send, record, StateDown(), [(b"retry-after", b"1")])
+            await self._refuse(response, record, StateDown(), [(b"retry-after", b"1")])
             return
         with RequestBody() as body:
-            exchange = await self._admit(scope, receive, send, body, record)
+            exchange = await self._admit(scope, receive, response, body, record)
         if exchange is None:
             return
         record.exchange = exchange
         watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, exchange))
         try:
-            await relay(exchange, send)
+            await relay(exchange, response)
         finally:
             watcher.cancel()
 
-    async def _admit(self, scope: Scope, receive: Receive, send: ClientResponse, body: RequestBody,
+    async def _admit(self, scope: Scope, receive: Receive, response: ClientResponse, body: RequestBody,
                      record: RequestRecord) -> PDExchange | None:
         """Who asks and its body (the way in), then the serving flow: admitted and dispatched, or refused (the
         error answered here, None returned)."""
@@ -80,17 +80,18 @@ class GenerateEndpoint:
             return await gateway.flow.run(self.route, body, tenant, fleet.limiter, fleet.salts, scope["headers"],
                                           record, sample=not record.probe)  # the canary is not a tenant
         except Refused as refused:
-            await self._refuse(send, record, refused.error, refused.headers)
+            await self._refuse(response, record, refused.error, refused.headers)
         except GatewayError as error:
-            await self._refuse(send, record, error, retry_after(error))
+            await self._refuse(response, record, error, retry_after(error))
         except ConnectionAbortedError:
             pass
         return None
 
     @staticmethod
-    async def _refuse(send: ClientResponse, record: RequestRecord, error: GatewayError, headers: Headers = ()) -> None:
+    async def _refuse(response: ClientResponse, record: RequestRecord, error: GatewayError,
+                      headers: Headers = ()) -> None:
         """Answer an error before any engine saw the request."""
         record.refused = error
-        await send_error(send, error, headers)
+        await send_error(response, error, headers)
 
 

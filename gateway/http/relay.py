@@ -55,12 +55,12 @@ async def send_error(response: ClientResponse, error: GatewayError, headers: Hea
     await send_json(response, error.status, error.json(), headers)
 
 
-async def relay(exchange: PDExchange, send: ClientResponse) -> None:
+async def relay(exchange: PDExchange, response: ClientResponse) -> None:
     """The exchange's events to the client, as it asked for them."""
     if exchange.admitted.stream:
-        await _relay_stream(exchange, send)
+        await _relay_stream(exchange, response)
     else:
-        await _relay_whole(exchange, send)
+        await _relay_whole(exchange, response)
 
 
 def _count_header(exchange: PDExchange) -> list[tuple[bytes, bytes]]:
@@ -84,7 +84,7 @@ def _presented(payload: bytes, usage: UsageOptions | None) -> bytes | None:
     return payload if usage.continuous else _USAGE.sub(b',"usage":null', payload)
 
 
-async def _relay_stream(exchange: PDExchange, send: ClientResponse) -> None:
+async def _relay_stream(exchange: PDExchange, response: ClientResponse) -> None:
     queue = exchange.events
     usage = exchange.admitted.usage if exchange.admitted.route != "/generate" else None
     event: RelayEvent | None = await queue.get()
@@ -93,9 +93,9 @@ async def _relay_stream(exchange: PDExchange, send: ClientResponse) -> None:
             return
         case Failure(error):
             # Nothing was sent yet, so the failure keeps its own status code.
-            await send_error(send, error, retry_after(error))
+            await send_error(response, error, retry_after(error))
             return
-    await send.start(200, _SSE_HEADERS + _count_header(exchange))
+    await response.start(200, _SSE_HEADERS + _count_header(exchange))
     while True:
         parts: list[bytes] = []
         while isinstance(event, bytes):
@@ -106,20 +106,20 @@ async def _relay_stream(exchange: PDExchange, send: ClientResponse) -> None:
         body = b"".join(parts)
         match event:
             case None:
-                await send.body(body, more=True)
+                await response.body(body, more=True)
                 event = await queue.get()
             case Done():
-                await send.body(body + _DONE_EVENT)
+                await response.body(body + _DONE_EVENT)
                 return
             case Failure(error):
                 # A stream that already started cannot change its status: an error event and no [DONE].
-                await send.body(body + error.sse_event())
+                await response.body(body + error.sse_event())
                 return
             case ClientGone():
                 return
 
 
-async def _relay_whole(exchange: PDExchange, send: ClientResponse) -> None:
+async def _relay_whole(exchange: PDExchange, response: ClientResponse) -> None:
     answer: bytes | None = None
     while True:
         match await exchange.events.get():
@@ -127,12 +127,13 @@ async def _relay_whole(exchange: PDExchange, send: ClientResponse) -> None:
                 answer = payload  # decode's whole answer, checked (one event; the last, were there more)
             case Done():
                 if answer is None:  # cannot happen (decode's answer is checked before Done); never an empty 200
-                    await send_error(send, GatewayError(502, "the decode engine sent no answer", code="decode_failed"))
+                    error = GatewayError(502, "the decode engine sent no answer", code="decode_failed")
+                    await send_error(response, error)
                 else:
-                    await send_json(send, 200, answer, _count_header(exchange))
+                    await send_json(response, 200, answer, _count_header(exchange))
                 return
             case Failure(error):
-                await send_error(send, error, retry_after(error))
+                await send_error(response, error, retry_after(error))
                 return
             case ClientGone():
                 return
