@@ -74,7 +74,7 @@ class GatewayApp:
 
 def _with_request_id(scope: Scope, send: Send) -> Send:
     """Every answer carries x-request-id (the generate endpoints stamp their own)."""
-    request_id = request_id_of(scope)
+    request_id = request_id_of(scope["headers"])
 
     async def stamped(message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -98,7 +98,7 @@ def create_app(config: GatewayConfig, gateway: Gateway | None = None, *,
         """The models and their limits are for clients with a key, where one is required, and cost a request of
         the tenant's (as the generate routes do)."""
         try:
-            tenant = await identify(gateway, request.scope)
+            tenant = await identify(gateway, request.headers.raw, request.client)
             throttle(gateway, tenant)
             await charge(gateway, tenant)
         except Refused as refused:

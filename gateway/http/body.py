@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-
-from starlette.types import Receive, Scope
+from typing import TYPE_CHECKING
 
 from gateway.errors import GatewayError
+
+if TYPE_CHECKING:
+    from gateway.http.client_link import BodySource
 
 # Bodies up to this size stay in memory and are admitted on the event loop.
 INLINE_BODY_BYTES = 64 * 1024
@@ -74,23 +76,20 @@ class BodyTooLarge(GatewayError):
         super().__init__(413, f"request body exceeds the gateway's limit of {limit} bytes", code="body_too_large")
 
 
-async def read_body(scope: Scope, receive: Receive, body: RequestBody, limit: int) -> None:
+async def read_body(source: BodySource, body: RequestBody, limit: int) -> None:
     """The whole body into `body`, refusing with 413 as soon as it is known to exceed `limit` (before reading it
     all), with 415 for a compressed one (what is counted must be what was sent, and a small compressed body can
     inflate past any limit). ConnectionAbortedError when the client leaves first."""
-    for name, value in scope["headers"]:
+    for name, value in source.headers:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             raise BodyTooLarge(limit)
         if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
             raise EncodedBody(value.decode("latin-1"))
     while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionAbortedError
-        chunk = message.get("body", b"")
+        chunk, more = await source.receive()
         if body.size + len(chunk) > limit:
             body.size += len(chunk)  # charged to the tenant all the same (it was sent)
             raise BodyTooLarge(limit)
         body.add(chunk)
-        if not message.get("more_body", False):
+        if not more:
             return

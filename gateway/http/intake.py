@@ -7,21 +7,22 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope
 
 from gateway.errors import GatewayError
 from gateway.http.body import BodyTooLarge, EncodedBody, RequestBody, read_body
+from gateway.http.client_link import BodySource, Headers
 from gateway.tenancy.errors import RateLimited
 from gateway.tenancy.tenants import Tenant
 
 if TYPE_CHECKING:
     from gateway.serving.gateway import Gateway
 
-Headers = Sequence[tuple[bytes, bytes]]
+__all__ = ["CLOSE", "Headers", "Refused", "charge", "error_response", "identify", "receive_body", "request_id_of",
+           "retry_after", "throttle"]
+
 CLOSE: Headers = ((b"connection", b"close"),)
 
 
@@ -37,10 +38,10 @@ class Refused(Exception):
 _CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
 
 
-def request_id_of(scope: Scope) -> bytes:
+def request_id_of(headers: Headers) -> bytes:
     """The id every answer carries as x-request-id: the client's own when it sent a sane one (bounded, no
     separators that could split a log line or a header), else a new one."""
-    sent = next((value for name, value in scope["headers"] if name == b"x-request-id"), None)
+    sent = next((value for name, value in headers if name == b"x-request-id"), None)
     return sent if sent is not None and _CLIENT_REQUEST_ID.fullmatch(sent) else os.urandom(16).hex().encode()
 
 
@@ -55,9 +56,9 @@ def retry_after(error: GatewayError) -> list[tuple[bytes, bytes]]:
     return [(b"retry-after", str(seconds).encode())] if seconds is not None else []
 
 
-async def identify(gateway: Gateway, scope: Scope) -> Tenant:
+async def identify(gateway: Gateway, headers: Headers, client: tuple[str, int] | None) -> Tenant:
     try:
-        return await gateway.fleet.tenants.identify(scope["headers"], scope.get("client"))
+        return await gateway.fleet.tenants.identify(headers, client)
     except GatewayError as error:  # before the body is read: an unknown client costs nothing more
         raise Refused(error, retry_after(error) or ((b"www-authenticate", b"Bearer"),)) from None
 
@@ -69,7 +70,7 @@ def throttle(gateway: Gateway, tenant: Tenant) -> None:
         raise Refused(error, retry_after(error)) from None
 
 
-async def receive_body(gateway: Gateway, scope: Scope, receive: Receive, body: RequestBody, tenant: Tenant) -> None:
+async def receive_body(gateway: Gateway, source: BodySource, body: RequestBody, tenant: Tenant) -> None:
     """The body into `body`, charged to the tenant (one request, the bytes that came) before anything parses it,
     whether it is then answered, refused, too large, late or abandoned; ConnectionAbortedError when the client leaves
     first."""
@@ -77,7 +78,7 @@ async def receive_body(gateway: Gateway, scope: Scope, receive: Receive, body: R
     refusal: Exception | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            await read_body(scope, receive, body, gateway.config.max_body_bytes)
+            await read_body(source, body, gateway.config.max_body_bytes)
     except TimeoutError:
         refusal = Refused(GatewayError(408, f"the request body did not arrive within {timeout_s:g}s",
                                        code="request_timeout"), CLOSE)

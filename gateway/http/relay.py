@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import re
 
-from starlette.types import Receive, Send
-
 from gateway.admission.requests import UsageOptions
 from gateway.errors import GatewayError
+from gateway.http.client_link import ClientLink
 from gateway.http.intake import Headers, retry_after
 from gateway.pd.events import ClientGone, Done, Failure, RelayEvent
 from gateway.pd.exchange import PDExchange
@@ -24,26 +23,25 @@ _USAGE = re.compile(rb',"usage":\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
 
 
 class ClientResponse:
-    """The generate routes' way out: the ASGI `send`, with the request's id stamped on the head and what the access
+    """The generate routes' way out: the client link, with the request's id stamped on the head and what the access
     record needs observed on the way (the status; a sampled answer's first bytes, for the provenance check)."""
 
-    __slots__ = ("_record", "_request_id", "_send")
+    __slots__ = ("_link", "_record", "_request_id")
 
-    def __init__(self, send: Send, request_id: bytes, record: RequestRecord) -> None:
-        self._send = send
+    def __init__(self, link: ClientLink, request_id: bytes, record: RequestRecord) -> None:
+        self._link = link
         self._request_id = request_id
         self._record = record
 
     async def start(self, status: int, headers: Headers) -> None:
         self._record.status = status
-        await self._send({"type": "http.response.start", "status": status,
-                          "headers": [*headers, (b"x-request-id", self._request_id)]})
+        await self._link.write_head(status, [*headers, (b"x-request-id", self._request_id)])
 
     async def body(self, data: bytes, *, more: bool = False) -> None:
         record = self._record
         if record.sampled and len(record.answer) < ANSWER_KEPT:
             record.answer += data[: ANSWER_KEPT - len(record.answer)]
-        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+        await self._link.write_body(data, more=more)
 
 
 async def send_json(response: ClientResponse, status: int, body: bytes, headers: Headers = ()) -> None:
@@ -66,12 +64,6 @@ async def relay(exchange: PDExchange, response: ClientResponse) -> None:
 def _count_header(exchange: PDExchange) -> list[tuple[bytes, bytes]]:
     """The gateway's own prompt count, so a client (and the parity test) can compare it with the engine's usage."""
     return [(b"x-kvgate-prompt-tokens", str(exchange.prompt_tokens).encode())]
-
-
-async def watch_disconnect(receive: Receive, exchange: PDExchange) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    exchange.disconnect()
 
 
 def _presented(payload: bytes, usage: UsageOptions | None) -> bytes | None:

@@ -1,5 +1,8 @@
 """The HTTP server kvgate runs on: uvicorn with httptools, plus the limits a public edge needs.
 
+The generate routes are served straight from this protocol (`gateway.http.edge`), past every guard below; the rest
+of the API goes through ASGI and Starlette.
+
 uvicorn caps concurrent connections (`limit_concurrency`, beyond it 503) but not the size, number or arrival time of
 request headers; `GuardedHttpToolsProtocol` adds those, answering 431 before a header flood is buffered and 408 to a
 connection that opens and never finishes its request head (else a few idle sockets would hold every connection slot).
@@ -18,17 +21,18 @@ import socket
 import sys
 import traceback
 from collections import Counter
+from collections.abc import Mapping
 from types import FrameType
 from typing import Any, ClassVar
 
 import httptools
 import uvicorn
-from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
-from gateway.http.app import create_app
+from gateway.http.app import GatewayApp, create_app
+from gateway.http.edge import EdgeCycle, EdgeEndpoint
 from gateway.serving.gateway import Gateway
 from gateway.serving.reload import reload_logged
 from gateway.tenancy.tenants import bearer_key_of
@@ -51,6 +55,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # Per server (uvicorn_config makes a subclass per configuration): open connections per address and per key.
     by_address: ClassVar[Counter[str]] = Counter()
     by_key: ClassVar[Counter[bytes]] = Counter()
+    # Served from the protocol itself (a POST over HTTP/1.1 to one of these exact paths, no query, no escapes).
+    edge_routes: ClassVar[Mapping[bytes, EdgeEndpoint]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -91,6 +97,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             _forget(self.by_key, self._key)
             self._key = None
         super().connection_lost(exc)
+        if isinstance(self.cycle, EdgeCycle):
+            self.cycle.connection_lost()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -131,7 +139,25 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._over_capacity or len(self.tasks) >= self.max_connections:
             self._over_capacity = True
             raise ConnectionRefusedError("over max_connections")  # stops the parser: answered in _feed
-        super().on_headers_complete()
+        endpoint = self.edge_routes.get(self.url)
+        if endpoint is None or self.parser.get_method() != b"POST" or self.parser.get_http_version() != "1.1" \
+                or self.parser.should_upgrade():
+            super().on_headers_complete()
+            return
+        self._serve_at_edge(endpoint)
+
+    def _serve_at_edge(self, endpoint: EdgeEndpoint) -> None:
+        """What uvicorn's `on_headers_complete` does for an ASGI request, with an `EdgeCycle` in its place."""
+        existing = self.cycle
+        self.cycle = cycle = EdgeCycle(  # type: ignore[assignment]  # the protocol uses the attributes they share
+            endpoint, transport=self.transport, flow=self.flow, headers=self.headers, client=self.client,
+            keep_alive=self.parser.should_keep_alive(), expect_100_continue=self.expect_100_continue,
+            default_headers=self.server_state.default_headers, on_response=self.on_response_complete)
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+        else:  # pipelined: it waits for the answer before it, as uvicorn's own cycles do
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
 
     def on_message_complete(self) -> None:
         self._disarm_body_timer()
@@ -227,9 +253,10 @@ def _forget(counts: Counter[Any], key: Any) -> None:
         del counts[key]
 
 
-def uvicorn_config(app: ASGIApp, config: GatewayConfig, *, log_level: str, loop: str = "uvloop") -> uvicorn.Config:
+def uvicorn_config(app: GatewayApp, config: GatewayConfig, *, log_level: str, loop: str = "uvloop") -> uvicorn.Config:
     protocol = type("GatewayHttpProtocol", (GuardedHttpToolsProtocol,),
-                    {"max_header_bytes": config.max_header_bytes, "max_headers": config.max_headers,
+                    {"edge_routes": {path.encode(): endpoint for path, endpoint in app.endpoints.items()},
+                     "max_header_bytes": config.max_header_bytes, "max_headers": config.max_headers,
                      "head_timeout_s": config.timeouts.client_head_s, "max_connections": config.max_connections,
                      "body_timeout_s": config.timeouts.client_body_s + 1,
                      "client_share": config.connections_per_client, "key_share": config.connections_per_key,

@@ -25,6 +25,7 @@ from gateway.admission.pipeline import resolve_model
 from gateway.admission.tokenize import Kind, answer
 from gateway.errors import GatewayError
 from gateway.http.body import RequestBody
+from gateway.http.client_link import AsgiBody
 from gateway.http.intake import CLOSE, Refused, error_response, identify, receive_body, throttle
 
 if TYPE_CHECKING:
@@ -51,10 +52,10 @@ class TokenizeApi:
             return error_response(GatewayError(503, "the gateway is shutting down", code="shutting_down"),
                           [*CLOSE, (b"retry-after", b"1")])
         try:
-            tenant = await identify(gateway, request.scope)
+            tenant = await identify(gateway, request.headers.raw, request.client)
             throttle(gateway, tenant)
             with RequestBody() as body:
-                await receive_body(gateway, request.scope, request.receive, body, tenant)
+                await receive_body(gateway, AsgiBody(request.scope, request.receive), body, tenant)
                 payload = await self._answer(kind, body, tenant)
         except Refused as refused:
             return error_response(refused.error, refused.headers)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import hmac
 import secrets
-
-from starlette.types import Scope
+from collections.abc import Sequence
 
 PROBE_HEADER = "x-kvgate-probe"
 PROBE_TOKEN = secrets.token_hex(16)
+_PROBE_NAME = PROBE_HEADER.encode()
 
 
-def is_probe(scope: Scope) -> bool:
-    sent = next((value for name, value in scope["headers"] if name == PROBE_HEADER.encode()), None)
+def is_probe(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    sent = next((value for name, value in headers if name == _PROBE_NAME), None)
     return sent is not None and hmac.compare_digest(sent, PROBE_TOKEN.encode())

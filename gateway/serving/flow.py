@@ -5,7 +5,7 @@ is given back by the `with` that took it unless the exchange took it over: no pa
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Protocol
@@ -71,7 +71,7 @@ class Flow:
         return self.models[admitted.model], admitted
 
     async def run(self, route: Route, body: ReceivedBody, tenant: Tenant, limiter: TenantLimiter, salts: CacheSalts,
-                  headers: list[tuple[bytes, bytes]], record: RequestRecord, *, sample: bool) -> PDExchange:
+                  headers: Sequence[tuple[bytes, bytes]], record: RequestRecord, *, sample: bool) -> PDExchange:
         """Admit the request and dispatch it; raises the GatewayError to answer instead (nothing was sent)."""
         # Abortable by its id from the start: an abort while its body is still being counted refuses it after.
         async with self.inflight.queued(record.request_id) as waiting:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.admission.admit import Admission, AdmittedRequest, PromptLimits
@@ -82,7 +83,7 @@ class ServedModel:
                         if w.verified is not None)
         return found.most_common(1)[0][0] if found else None
 
-    def route_key(self, admitted: AdmittedRequest, headers: list[tuple[bytes, bytes]], salt: str) -> RouteKey:
+    def route_key(self, admitted: AdmittedRequest, headers: Sequence[tuple[bytes, bytes]], salt: str) -> RouteKey:
         """What the model's policies route this request by. The prefix is hashed with the engines' cache salt: two
         tenants' equal prompts share no cached pages, so sending them to one engine would promise hits it cannot
         serve."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.config import AuthConfig, TenantConfig, TenantLimitsConfig
@@ -53,7 +54,7 @@ class TenantDirectory:
         self._state = state
         self._looked_up: dict[str, tuple[float, Tenant | None]] = {}
 
-    async def identify(self, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None) -> Tenant:
+    async def identify(self, headers: Sequence[tuple[bytes, bytes]], client: tuple[str, int] | None) -> Tenant:
         """The tenant a request belongs to; 401 when auth is required and no known key was presented."""
         key = _bearer_key(headers)
         if key is None:
@@ -95,7 +96,7 @@ def _tenant(config: TenantConfig) -> Tenant:
     return Tenant(config.name, config.limits, config.cache_group)
 
 
-def _bearer_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+def _bearer_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
     for name, value in headers:
         if name == b"authorization":
             return bearer_key_of(value)
