@@ -112,6 +112,15 @@ class FakeEngines:
         """Connections to that half never complete (an engine that accepts but never answers its identity read)."""
         self._hanging.add(role)
 
+    def connect_now(self, worker: Worker) -> FakeLink | None:
+        """At once unless a connect failure or hang is set (then both halves take the waiting path, as a new
+        connection's identity read does)."""
+        half = self.halves[worker.url]
+        if self._hanging or self._connect_errors:
+            return None
+        self.log.append(("connect", half.role))
+        return FakeLink(half)
+
     async def connect(self, worker: Worker) -> FakeLink:
         half = self.halves[worker.url]
         self.log.append(("connect", half.role))

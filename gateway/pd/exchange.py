@@ -44,7 +44,7 @@ from gateway.pd.errors import (
 from gateway.pd.events import RELAY_HIGH_WATER, ClientGone, Failure, RelayQueue
 from gateway.pd.output import OutputMeter
 from gateway.pd.plan import ExchangePlan
-from gateway.pd.ports import EngineLink, Engines, EngineStream, TenantHold, connect_both
+from gateway.pd.ports import EngineLink, Engines, EngineStream, TenantHold, connect_both, connect_both_now
 from gateway.pd.registry import ExchangeRegistry, new_rid
 from gateway.pd.release import VerifiedRelease
 from gateway.pd.requests import engine_bodies, expected_counts
@@ -116,16 +116,23 @@ class PDExchange:
     def start(self) -> None:
         self.started_at = time.monotonic()
         self._registry.running.add(self)
-        self._dispatch_task = self._spawn(self._dispatch())
         loop, timeouts = asyncio.get_running_loop(), self.timeouts
         self._timers = [loop.call_later(timeouts.prefill_s, self._prefill_timeout),
                         loop.call_later(timeouts.first_token_s, self._first_token_timeout),
                         loop.call_later(timeouts.total_s, self._total_timeout)]
+        links = connect_both_now(self.engines, self.pair.prefill, self.pair.decode)
+        if links is not None:
+            self._send(links)  # both connected already: sent from here, no dispatch task
+        else:
+            self._dispatch_task = self._spawn(self._dispatch())
 
     async def _dispatch(self) -> None:
         links = await self._connect()
-        if links is None:
-            return
+        if links is not None:
+            self._send(links)
+
+    def _send(self, links: tuple[EngineLink, EngineLink]) -> None:
+        """Both halves sent at once, each read in its own task."""
         prefill_link, decode_link = self._links = links
         try:
             prefill_count, decode_count = expected_counts(self.admitted, self.pair)

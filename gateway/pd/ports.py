@@ -25,8 +25,22 @@ class EngineLink(Protocol):
 
 
 class Engines(Protocol):
+    def connect_now(self, worker: Worker) -> EngineLink | None: ...  # an idle verified connection, or None
     async def connect(self, worker: Worker) -> EngineLink: ...
     async def abort(self, url: str, rid: str) -> bool: ...
+
+
+def connect_both_now(engines: Engines, prefill: Worker, decode: Worker) -> tuple[EngineLink, EngineLink] | None:
+    """Both halves' idle verified connections, taken at once (the common case under load: no task, no wait), or
+    None, with nothing taken."""
+    first = engines.connect_now(prefill)
+    if first is None:
+        return None
+    second = engines.connect_now(decode)
+    if second is None:
+        first.release()
+        return None
+    return first, second
 
 
 async def connect_both(engines: Engines, prefill: Worker, decode: Worker,

@@ -128,6 +128,12 @@ class EngineClient:
         except HttpError as exc:
             raise EngineUnreachable(role, f"{role} worker {worker.url}: {exc}", worker_url=worker.url) from exc
 
+    def connect_now(self, worker: Worker) -> EngineLink | None:
+        """A connection to `worker` verified earlier and idle now, without waiting; None when there is none."""
+        pool = self._generation.get(worker)
+        connection = pool.take_idle() if pool is not None else None
+        return EngineLink(worker, pool, connection) if pool is not None and connection is not None else None
+
     async def generate(self, worker: Worker, path: str, body: Body) -> EngineResponse:
         """Connect and send in one step (the lifecycle connects both halves first)."""
         return await (await self.connect(worker)).generate(path, body)

@@ -345,13 +345,9 @@ class ConnectionPool:
 
     async def acquire(self) -> HttpConnection:
         """An idle connection still fit for reuse, else a new one that passed the new-connection hook."""
-        now = time.monotonic()
-        while self._idle:
-            connection = self._idle.pop()
-            if connection.reusable and now - connection.idle_since < IDLE_EXPIRY_S:
-                self._busy.add(connection)
-                return connection
-            connection.close()
+        connection = self.take_idle()
+        if connection is not None:
+            return connection
         connection = await self._connect()
         self._busy.add(connection)
         if self.on_new_connection is not None:
@@ -362,6 +358,17 @@ class ConnectionPool:
                 connection.close()
                 raise
         return connection
+
+    def take_idle(self) -> HttpConnection | None:
+        """An idle connection still fit for reuse, at once; None when there is none."""
+        now = time.monotonic()
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.reusable and now - connection.idle_since < IDLE_EXPIRY_S:
+                self._busy.add(connection)
+                return connection
+            connection.close()
+        return None
 
     def close(self) -> None:
         for connection in [*self._idle, *self._busy]:
