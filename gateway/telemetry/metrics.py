@@ -5,8 +5,10 @@ statuses, reason and cause codes, and the configured worker URLs — never reque
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+import prometheus_client
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -30,6 +32,36 @@ _REJECTION_REASONS = {
     "model_not_found": "unknown_model", "overloaded": "overloaded", "no_worker_available": "unavailable",
     "model_unavailable": "unavailable", "shutting_down": "shutting_down", "rate_limited": "rate_limited",
 }
+
+
+class _ChildrenByValues:
+    """A labelled metric's children looked up in a dict: prometheus_client's `labels()` validates its values and
+    takes a lock on every call, ~10 times per request here. (Label sets are never removed, so a child once made
+    stays the metric's.)"""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._children_by_values: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Any:
+        if labelkwargs:
+            return super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
+        child = self._children_by_values.get(labelvalues)
+        if child is None:
+            child = self._children_by_values[labelvalues] = super().labels(*labelvalues)  # type: ignore[misc]
+        return child
+
+
+class Counter(_ChildrenByValues, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_ChildrenByValues, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_ChildrenByValues, prometheus_client.Histogram):
+    pass
 
 
 def rejection_reason(status: int, code: str | None) -> str:
