@@ -51,11 +51,11 @@ from gateway.pd.requests import engine_bodies, expected_counts
 from gateway.pd.states import Decode, ExchangeState, Phase, Prefill
 from gateway.pd.timers import IdleWatchdog, parked, stop
 from routing.engines.answers import (
-    PROMPT_TOKENS,
     check_result,
     parse_result,
     reported_cached_tokens,
     reported_prompt_tokens,
+    stated_prompt_counts,
 )
 from routing.engines.errors import EngineBroken, EngineError, EngineRejected, EngineTimeout
 from routing.pools import Lease
@@ -496,8 +496,8 @@ class PDExchange:
             data = orjson.dumps(event)
         # Every count decode reports is checked, each place it states one (a key: inside a JSON string the quotes
         # are escaped, so generated text cannot pose as one).
-        for match in PROMPT_TOKENS.finditer(data):
-            self._verify_count("decode", worker, int(match[1]), expected)
+        for count in stated_prompt_counts("decode", data):
+            self._verify_count("decode", worker, count, expected)
             self.state.decode_counted = True
         self.output.observe(data)
         if not self.client_gone and self._release.offer(data):
