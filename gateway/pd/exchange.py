@@ -312,10 +312,20 @@ class PDExchange:
         prefill skips. Counted and logged; under `strict` the request fails (it then returns True) before any byte
         of it is out."""
         rule = self.plan.plausibility
-        if rule is None or self._ttft_judged or self.first_token_at is None or not self.state.prefill_ok:
+        if rule is None or self._ttft_judged or not self.state.prefill_ok:
             return False
+        if self.admitted.stream:
+            if self.first_token_at is None:
+                return False
+            seen_at = self.first_token_at
+        else:
+            # A whole answer arrives after the whole generation, which would hide a first token that came far too
+            # soon (a long max_new_tokens outlasts any floor). Prefill's own answer bounds the prompt's prefill too
+            # (it answers only once its forward pass and KV transfer are done): judged on it, as soon as it is in.
+            assert self.prefill_settled_at is not None
+            seen_at = min(self.prefill_settled_at, self.first_token_at or self.prefill_settled_at)
         self._ttft_judged = True
-        verdict = rule.judge(self.prompt_tokens, self.prefill_cached or 0, self.first_token_at - self.started_at)
+        verdict = rule.judge(self.prompt_tokens, self.prefill_cached or 0, seen_at - self.started_at)
         if verdict is None:
             return False
         self.implausible_ttft = True

@@ -54,6 +54,8 @@ def test_strict_ttft_blocks_a_stub_prefill_for_a_whole_answer_too(lying_pair: En
         assert streamed.status_code == 502 and "implausible_ttft" in streamed.text  # holds for a stream
         inject(lying_pair.prefill, action="miscount", offset=count - 1, count=1, rid_prefix="kvg-")
         whole = _post(gateway.url, over_pool, stream=False, max_new=200)  # ~1 s of generation > the 0.24 s floor
+        fine = _post(gateway.url, "lorem " * 2000, stream=False, max_new=8)  # a real 2,000-token prefill
+    assert fine.status_code == 200, fine.text[:300]  # judged on prefill's answer: no false positive
     assert whole.status_code == 502, whole.text[:300]
     assert whole.json()["error"]["code"] == "implausible_ttft"
     assert MARKER not in whole.text
