@@ -22,22 +22,20 @@ _GENERATE = ("/generate", "/v1/chat/completions", "/v1/completions")
 
 
 class LyingProxy:
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, bootstrap_port: int | None = None) -> None:
         self.target = target
+        self.bootstrap_port = bootstrap_port  # a prefill's, passed through to kvgate's config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.rewrite: Rewrite | None = None
         self.delay_s = 0.0  # before a rewritten answer is sent
+        self.status: int | None = None  # a rewritten answer's status (None: the engine's)
         self.seen: list[dict[str, Any]] = []  # generate bodies as kvgate sent them
         self.aborts: list[bytes] = []
         self._client: httpx.AsyncClient | None = None
         self._server = uvicorn.Server(uvicorn.Config(self._app, host="127.0.0.1", port=self.port,
                                                      log_level="warning", lifespan="off", interface="asgi3"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    @property
-    def bootstrap_port(self) -> None:  # never used for a decode
-        return None
 
     async def _app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -61,7 +59,8 @@ class LyingProxy:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             out = rewrite(upstream.content)
-            await Response(out, upstream.status_code, media_type="application/json")(scope, receive, send)
+            status = self.status or upstream.status_code
+            await Response(out, status, media_type="application/json")(scope, receive, send)
             return
         upstream_request = self._client.build_request(request.method, path, content=body, headers=headers,
                                                       params=dict(request.query_params))
