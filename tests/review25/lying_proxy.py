@@ -30,6 +30,7 @@ class LyingProxy:
         self.rewrite: Rewrite | None = None
         self.delay_s = 0.0  # before a rewritten answer is sent
         self.status: int | None = None  # a rewritten answer's status (None: the engine's)
+        self.rewrite_streams = False  # rewrite a streamed answer too (read whole, sent at once)
         self.seen: list[dict[str, Any]] = []  # generate bodies as kvgate sent them
         self.aborts: list[bytes] = []
         self._client: httpx.AsyncClient | None = None
@@ -53,14 +54,15 @@ class LyingProxy:
         if path in _GENERATE and request.method == "POST":
             parsed = orjson.loads(body)
             self.seen.append(parsed)
-        if parsed is not None and not parsed.get("stream") and rewrite is not None:
+        if parsed is not None and rewrite is not None and (not parsed.get("stream") or self.rewrite_streams):
             upstream = await self._client.request(request.method, path, content=body, headers=headers,
                                                   params=dict(request.query_params))
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             out = rewrite(upstream.content)
             status = self.status or upstream.status_code
-            await Response(out, status, media_type="application/json")(scope, receive, send)
+            media = upstream.headers.get("content-type", "application/json")
+            await Response(out, status, media_type=media)(scope, receive, send)
             return
         upstream_request = self._client.build_request(request.method, path, content=body, headers=headers,
                                                       params=dict(request.query_params))

@@ -126,3 +126,57 @@ def test_held_an_abort_however_spelled_is_never_a_200(setup: tuple[EnginePair, L
     proxy.rewrite = lambda b: re.sub(rb'"finish_reason":("[a-z]+"|\{[^{}]*\})', finish.replace(b"\\", b"\\\\"), b)
     answer = _ask(gateway, "/v1/chat/completions")
     assert answer.status_code >= 400, (answer.status_code, answer.text[:300])
+
+
+@pytest.mark.parametrize("rewrite", [
+    pytest.param(None, id="ok"),
+    pytest.param(lambda b: b[:-7], id="not-json"),
+    pytest.param(lambda b: _COUNT.sub(lambda m: b'"prompt_tokens":999', b), id="miscount"),
+    pytest.param(lambda b: b[:-1] + b',"error":{"message":"boom","code":500}}', id="error-member"),
+])
+def test_an_exchange_is_freed_by_refcount_not_left_to_the_cyclic_collector(
+        setup: tuple[EnginePair, LyingProxy, Any], rewrite: Any) -> None:
+    """42cc7e7: "exchanges free themselves on close" — on every path of a whole answer, failures included."""
+    import gc
+
+    from gateway.pd.exchange import PDExchange
+    _, proxy, gateway = setup
+    proxy.rewrite = rewrite
+    _ask(gateway)  # warm
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(5):
+            _ask(gateway)
+        import time
+        time.sleep(0.5)  # every exchange closed
+        wait_for_closed = [o for o in gc.get_objects() if isinstance(o, PDExchange)]
+        left = [e for e in wait_for_closed if e.finished_at is not None]
+    finally:
+        gc.enable()
+    assert not left, f"{len(left)} closed exchanges still alive (in reference cycles); outcomes: " \
+                     f"{[e.outcome for e in left]}"
+
+
+@pytest.mark.parametrize("lie", [
+    pytest.param(lambda m: m[0] + b',"prompt_tokens" :999', id="duplicate-key-space-before-colon"),
+    pytest.param(lambda m: m[0] + b"e1", id="exponent"),
+])
+def test_a_streamed_count_the_client_reads_differently_never_passes(setup: tuple[EnginePair, LyingProxy, Any],
+                                                                    lie: Any) -> None:
+    """The same regex reads a stream's events (before 42cc7e7 as well)."""
+    _, proxy, gateway = setup
+    _lie(proxy, lie)
+    proxy.rewrite_streams = True
+    try:
+        body = {"model": "glm-5", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4,
+                "stream": True, "stream_options": {"include_usage": True}}
+        answer = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=30)
+    finally:
+        proxy.rewrite_streams = False
+    counted = int(answer.headers.get("x-kvgate-prompt-tokens", "-1"))
+    usages = [json.loads(line[6:]).get("usage") for line in answer.text.splitlines()
+              if line.startswith("data: {")]
+    seen = {u["prompt_tokens"] for u in usages if u}
+    assert b'"code":"prompt_token_mismatch"' in answer.content or b'"code":"decode_failed"' in answer.content \
+        or seen <= {counted}, (seen, counted, answer.text[-300:])
