@@ -308,9 +308,9 @@ class PDExchange:
 
     def _judge_first_token_time(self) -> bool:
         """A first token sooner than the prompt could be prefilled (integrity.ttft). Judged once both the first token
-        and prefill's answer are in — prefill says how many prompt tokens came from its radix cache, which a real
-        prefill skips. Counted and logged; under `strict` the request fails (it then returns True) before any byte
-        of it is out."""
+        and prefill's answer are in (a whole answer: prefill's answer alone, see below) — prefill says how many
+        prompt tokens came from its radix cache, which a real prefill skips. Counted and logged; under `strict` the
+        request fails (it then returns True) before any byte of it is out."""
         rule = self.plan.plausibility
         if rule is None or self._ttft_judged or not self.state.prefill_ok:
             return False
