@@ -180,3 +180,21 @@ def test_a_streamed_count_the_client_reads_differently_never_passes(setup: tuple
     seen = {u["prompt_tokens"] for u in usages if u}
     assert b'"code":"prompt_token_mismatch"' in answer.content or b'"code":"decode_failed"' in answer.content \
         or seen <= {counted}, (seen, counted, answer.text[-300:])
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}}),
+    ("/generate", {"input_ids": [[1, 2], [3, 4]], "sampling_params": {"max_new_tokens": 2}}),
+    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, "n": 2}}),
+    ("/v1/chat/completions", {"model": "glm-5", "messages": [{"role": "user", "content": "a"}], "n": 2}),
+    ("/v1/completions", {"model": "glm-5", "prompt": ["a", "b"], "max_tokens": 2}),
+    ("/generate", {"text": "a", "stream": "false"}),
+    ("/generate", {"text": "a", "stream": 0}),
+])
+def test_held_a_request_whose_whole_answer_would_be_a_list_or_ambiguous_is_refused_up_front(
+        setup: tuple[EnginePair, LyingProxy, Any], route: str, body: dict[str, Any]) -> None:
+    _, proxy, gateway = setup
+    seen = len(proxy.seen)
+    answer = httpx.post(gateway.url + route, json=body, timeout=30)
+    assert answer.status_code == 400, answer.text[:300]
+    assert len(proxy.seen) == seen  # no engine saw it
