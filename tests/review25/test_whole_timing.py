@@ -142,3 +142,14 @@ def test_client_gone_before_a_slow_prefill_answered_holds_decode_to_it(setup: Se
     assert decode[0]["outcome"] == "aborted"
     assert decode[0]["end"] >= prefill[0]["end"] + 0.5, (decode, prefill)
     assert decode[0]["end"] - decode[0]["arrival"] < 1.6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_spliced_from_prefill_carry_no_unchecked_count(setup: Setup, stream: bool) -> None:
+    """/generate with return_logprob: prefill's input_token_logprobs are spliced into decode's answer after decode's
+    answer was checked. A lying prefill's list must not bring a prompt count nobody verified to the client."""
+    setup.prefill.rewrite = lambda b: b.replace(b'"input_token_logprobs":[',
+                                                b'"input_token_logprobs":[{"prompt_tokens":999},', 1)
+    body = {**_body(), "return_logprob": True, "stream": stream}
+    answer = httpx.post(setup.gateways["verified"].url + "/generate", json=body, timeout=30)
+    assert answer.status_code != 200 or b"999" not in answer.content, answer.text[:500]
