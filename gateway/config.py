@@ -190,7 +190,8 @@ class LimitsConfig(_Strict):
     # with the logprobs of a ~1M-token prompt; a /generate event is cumulative: 8 MiB holds ~200k output tokens with
     # their logprobs. Raise them for top logprobs on long prompts or outputs.
     engine_event_bytes: int = Field(8 << 20, ge=1024, description="one streamed engine event (decode's)")
-    engine_answer_bytes: int = Field(32 << 20, ge=1024, description="one whole engine answer (prefill's body)")
+    engine_answer_bytes: int = Field(32 << 20, ge=1024, description="one whole engine answer (prefill's body; "
+                                     "decode's, for a client that does not stream)")
 
 
 class BreakerConfig(_Strict):

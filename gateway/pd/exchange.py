@@ -51,11 +51,11 @@ from gateway.pd.requests import engine_bodies, expected_counts
 from gateway.pd.states import Decode, ExchangeState, Phase, Prefill
 from gateway.pd.timers import IdleWatchdog, parked, stop
 from routing.engines.answers import (
-    PROMPT_TOKENS,
     check_result,
     parse_result,
     reported_cached_tokens,
     reported_prompt_tokens,
+    stated_prompt_counts,
 )
 from routing.engines.errors import EngineBroken, EngineError, EngineRejected, EngineTimeout
 from routing.pools import Lease
@@ -315,14 +315,24 @@ class PDExchange:
 
     def _judge_first_token_time(self) -> bool:
         """A first token sooner than the prompt could be prefilled (integrity.ttft). Judged once both the first token
-        and prefill's answer are in — prefill says how many prompt tokens came from its radix cache, which a real
-        prefill skips. Counted and logged; under `strict` the request fails (it then returns True) before any byte
-        of it is out."""
+        and prefill's answer are in (a whole answer: prefill's answer alone, see below) — prefill says how many
+        prompt tokens came from its radix cache, which a real prefill skips. Counted and logged; under `strict` the
+        request fails (it then returns True) before any byte of it is out."""
         rule = self.plan.plausibility
-        if rule is None or self._ttft_judged or self.first_token_at is None or not self.state.prefill_ok:
+        if rule is None or self._ttft_judged or not self.state.prefill_ok:
             return False
+        if self.admitted.stream:
+            if self.first_token_at is None:
+                return False
+            seen_at = self.first_token_at
+        else:
+            # A whole answer arrives after the whole generation, which would hide a first token that came far too
+            # soon (a long max_new_tokens outlasts any floor). Prefill's own answer bounds the prompt's prefill too
+            # (it answers only once its forward pass and KV transfer are done): judged on it, as soon as it is in.
+            assert self.prefill_settled_at is not None
+            seen_at = min(self.prefill_settled_at, self.first_token_at or self.prefill_settled_at)
         self._ttft_judged = True
-        verdict = rule.judge(self.prompt_tokens, self.prefill_cached or 0, self.first_token_at - self.started_at)
+        verdict = rule.judge(self.prompt_tokens, self.prefill_cached or 0, seen_at - self.started_at)
         if verdict is None:
             return False
         self.implausible_ttft = True
@@ -503,8 +513,8 @@ class PDExchange:
             data = orjson.dumps(event)
         # Every count decode reports is checked, each place it states one (a key: inside a JSON string the quotes
         # are escaped, so generated text cannot pose as one).
-        for match in PROMPT_TOKENS.finditer(data):
-            self._verify_count("decode", worker, int(match[1]), expected)
+        for count in stated_prompt_counts("decode", data):
+            self._verify_count("decode", worker, count, expected)
             self.state.decode_counted = True
         self.output.observe(data)
         if not self.client_gone and self._release.offer(data):

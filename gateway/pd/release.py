@@ -11,6 +11,7 @@ from gateway.pd.events import Done, RelayQueue
 from gateway.pd.plan import ExchangePlan
 from gateway.pd.states import ExchangeState
 from routing.engines.answers import INPUT_LOGPROBS
+from routing.engines.errors import EngineBroken
 
 
 class VerifiedRelease:
@@ -42,9 +43,19 @@ class VerifiedRelease:
         return True
 
     def take_prompt_logprobs(self, prefill_answer: dict[str, Any]) -> None:
+        """Prefill's prompt logprobs, to splice into decode's answer after that was checked: so only SGLang's shape
+        is taken, entries of [logprob, token id, text] (scalars), never an object (a prompt count nobody verified)."""
         meta = prefill_answer.get("meta_info")
         logprobs = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
-        self.prompt_logprobs = logprobs if isinstance(logprobs, list) else []
+        if not isinstance(logprobs, list):
+            self.prompt_logprobs = []
+            return
+        for entry in logprobs:
+            if not isinstance(entry, list) or not all(item is None or isinstance(item, (int, float, str))
+                                                      for item in entry):
+                raise EngineBroken("prefill", "prefill's input_token_logprobs are not [logprob, token id, text] "
+                                   "entries")
+        self.prompt_logprobs = logprobs
 
     def drop(self) -> None:
         """The exchange failed: nothing held may ever go out."""
