@@ -80,7 +80,9 @@ class PDExchange:
         self._lease = lease
         self.pair = lease.pair
         self._registry = registry
-        self.output = OutputMeter(tenant_pass)  # owns the tenant's pass from here on
+        # Owns the tenant's pass from here on. A whole answer shows no output until it is all there: its most is
+        # charged at once and what it did not use is given back at close (a stream is charged as it goes).
+        self.output = OutputMeter(tenant_pass, reserve=0 if self.admitted.stream else self.admitted.max_new_tokens)
         self.rid = new_rid()
         self.room = registry.rooms.acquire()
         self.request_id: str | None = None  # the client-facing x-request-id (an operator's abort handle)

@@ -12,12 +12,15 @@ _OUTPUT_STEP = 64  # output tokens between two charges of the tenant's output bu
 class OutputMeter:
     __slots__ = ("_charged", "_pass", "_reported", "events", "tokens")
 
-    def __init__(self, hold: TenantHold | None) -> None:
+    def __init__(self, hold: TenantHold | None, *, reserve: int = 0) -> None:
         self._pass = hold
         self._charged = hold if hold is not None and hold.charges_output else None
         self.events = 0  # decode events relayed or held (about one per output token when streaming)
         self.tokens = 0  # as decode reports them (completion_tokens), cumulative
         self._reported = 0
+        if self._charged is not None and reserve:  # charged now, up to `reserve` tokens; settled at close
+            self._charged.output_so_far(reserve)
+            self._reported = reserve
 
     def observe(self, event: bytes) -> None:
         self.events += 1
@@ -33,7 +36,7 @@ class OutputMeter:
                 hold.output_so_far(tokens)
 
     def close(self) -> None:
-        """Give the tenant's pass back, charged with the whole output."""
+        """Give the tenant's pass back, charged with the whole output (what was charged beyond it, given back)."""
         if self._pass is not None:
             self._pass.release(output_tokens=self.tokens or self.events)
             self._pass = None

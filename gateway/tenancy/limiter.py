@@ -33,11 +33,13 @@ class TenantPass:
             self._charged = tokens
 
     def release(self, output_tokens: int = 0) -> None:
+        """Given back, the output charged at last what it was: a charge made beyond it (a whole answer's most,
+        charged up front) is refunded."""
         if self._released:
             return
         self._released = True
         if self.charges_output:
-            self.output_so_far(output_tokens)
+            self._limiter.charge_output(self.tenant, output_tokens - self._charged)
         self._limiter.finished(self.tenant)
 
 
@@ -134,8 +136,9 @@ class TenantLimiter:
                                                    next(self._stamps)))
 
     def charge_output(self, tenant: Tenant, tokens: int) -> None:
+        """Charge `tokens` of output (fewer than none: a refund; a bucket never fills beyond its size)."""
         per_min = tenant.limits.output_tokens_per_min
-        if per_min and tokens > 0:
+        if per_min and tokens:
             self._spawn(self._state.charge(tenant.name, Budget("output_tokens", per_min, tokens)))
 
     def concurrency_report(self) -> tuple[dict[str, int], int]:

@@ -1,4 +1,4 @@
-"""review25: strict TTFT plausibility must hold for a client that does not stream.
+"""Strict TTFT plausibility must hold for a client that does not stream.
 
 Since 42cc7e7 decode answers a non-streaming client whole, and the whole answer's arrival stands for the first
 token. A lying engine (bug mode, a stub prefill reporting the full count) whose decode answers at once from another

@@ -1,4 +1,4 @@
-"""review25: a lying engine over real HTTP — a proxy in front of an emulated engine that forwards everything and
+"""A lying engine over real HTTP — a proxy in front of an emulated engine that forwards everything and
 rewrites the bytes of each non-streamed generate answer (what a faulty or hostile engine could send)."""
 
 from __future__ import annotations

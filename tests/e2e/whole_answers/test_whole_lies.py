@@ -1,4 +1,4 @@
-"""review25: a lying decode's whole answer (non-streaming client) — what the gateway checks must be what a client's
+"""A lying decode's whole answer (non-streaming client) — what the gateway checks must be what a client's
 JSON parser reads. Real HTTP: emulated engines, a rewriting proxy in front of decode, a real kvgate."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from loadtests.engine.harness import EnginePair, start_pair
+from tests.e2e.whole_answers.lying_proxy import LyingProxy
 from tests.gateway_harness import model_entry, running_gateway, write_config
-from tests.review25.lying_proxy import LyingProxy
 
 pytestmark = pytest.mark.long_running(seconds=15)
 _COUNT = re.compile(rb'"prompt_tokens":(\d+)')

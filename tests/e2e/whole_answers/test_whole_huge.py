@@ -1,4 +1,4 @@
-"""review25: a whole answer over limits.engine_answer_bytes (a chunked body: no length to refuse it by) is a 502,
+"""A whole answer over limits.engine_answer_bytes (a chunked body: no length to refuse it by) is a 502,
 read no further, and the next request on that decode is served (held)."""
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""review25: a tenant's output budget is spent while a long request runs — for a stream (held: the suite's own
-test) and, before 42cc7e7, for a client that did not stream too (decode was streamed inside kvgate). Since decode
-answers a non-streaming client whole, nothing is charged until the answer is in: the tenant's next requests are
-admitted all the while, however many tokens it is being given."""
+"""A tenant's output budget is spent while a long request runs: a stream is charged as it goes; a whole answer
+(decode answers a non-streaming client whole, so nothing shows its output growing) is charged its most up front,
+and what it did not use is given back when it ends."""
 
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtests.engine.harness import start_pair
+from loadtests.engine.harness import EnginePair, start_pair
+from tests.engine_records import inject
 from tests.gateway_harness import model_entry, running_gateway, write_config
 
 pytestmark = pytest.mark.long_running(seconds=12)
@@ -25,10 +25,11 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     with start_pair(prefill_pool=50000, decode_pool=50000, context_length=8192, model="glm-5", version="0.5.23",
                     bug=False, token_delay_ms=4) as pair:
         tenants = [{"name": name, "api_keys": ["sha256:" + hashlib.sha256(f"sk-{name}".encode()).hexdigest()],
-                    "limits": {"output_tokens_per_min": 100}} for name in ("streamer", "whole")]
+                    "limits": {"output_tokens_per_min": 100}} for name in ("streamer", "whole", "refunded")]
         config = write_config(tmp_path_factory.mktemp("t"), [model_entry("glm-5", [pair.prefill], [pair.decode])],
                               tenants=tenants)
         with running_gateway(config) as running:
+            running.pair = pair
             yield running
 
 
@@ -49,3 +50,16 @@ def test_output_tokens_are_charged_while_a_long_request_runs(gateway: Any, strea
         long.join(timeout=30)
     assert done == [200]
     assert meanwhile.status_code == 429 and "output tokens" in meanwhile.json()["error"]["message"], meanwhile.text
+
+
+def test_a_whole_answer_that_produced_nothing_gives_its_reserved_output_back(gateway: Any) -> None:
+    pair: EnginePair = gateway.pair
+    headers = {"authorization": "Bearer sk-refunded"}
+    body = {"model": "glm-5", "prompt": "fails", "max_tokens": 5000}
+    inject(pair.decode, action="fail", status=500, path="/v1/completions", count=1)
+    failed = httpx.post(gateway.url + "/v1/completions", json=body, headers=headers, timeout=30)
+    assert failed.status_code == 502  # 5,000 tokens were charged up front (50x the budget a minute) ...
+    time.sleep(0.5)  # (the refund is on its way to the shared state)
+    again = httpx.post(gateway.url + "/v1/completions", headers=headers, timeout=30,
+                       json={"model": "glm-5", "prompt": "again", "max_tokens": 1})
+    assert again.status_code == 200, again.text  # ... and given back when none was produced

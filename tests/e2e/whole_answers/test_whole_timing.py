@@ -1,4 +1,4 @@
-"""review25: a whole answer (non-streaming client) against time and disconnects: which half answers when, a client
+"""A whole answer (non-streaming client) against time and disconnects: which half answers when, a client
 that leaves, `release: immediate`. Real HTTP: emulated engines, rewriting proxies in front of both halves."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import orjson
 import pytest
 
 from loadtests.engine.harness import EnginePair, start_pair
+from tests.e2e.whole_answers.lying_proxy import LyingProxy
 from tests.engine_records import generation_records, reset, wait_for
 from tests.gateway_harness import model_entry, running_gateway, write_config
-from tests.review25.lying_proxy import LyingProxy
 
 pytestmark = pytest.mark.long_running(seconds=25)
 _COUNT = re.compile(rb'"prompt_tokens":(\d+)')
