@@ -20,6 +20,7 @@ from routing.breaker import BreakerSpec
 from routing.cache_tracking import CacheTracking
 from routing.deployment_checks import CheckPolicy
 from routing.discovery import DnsSource
+from routing.engines.identity import EngineIdentity
 from routing.gate import ModelJudgement, safe_limit
 from routing.policies import NO_KEY, Policy, RouteKey, make_policy
 from routing.pools import ModelPool, pool_for
@@ -50,6 +51,7 @@ class ServedModel:
     refused_at_startup: bool = False
     disabled: bool = False  # the fleet-wide kill switch: an operator turned the model off (503)
     _chat_with_defaults: tuple[str, ChatSettings, ChatSettings] | None = None  # (defaults, base, applied)
+    _template_defaults: tuple[tuple[EngineIdentity | None, ...], str | None] | None = None  # (identities, defaults)
     fleet_limit: int | None = None  # the lowest prompt limit any live replica's gate measured
     cache_tracking: CacheTracking | None = None  # cache_aware: the prefills' cache indexes and KV-event subscribers
     judgement: ModelJudgement | None = None  # the KV-pool gate's latest
@@ -79,9 +81,15 @@ class ServedModel:
     def engine_template_defaults(self) -> str | None:
         """The --default-chat-template-kwargs (JSON) most verified workers run with; the deployment check keeps a
         worker with others out of rotation (under its default policy)."""
-        found = Counter(w.verified.rendering.default_chat_template_kwargs for w in self.pool.workers
-                        if w.verified is not None)
-        return found.most_common(1)[0][0] if found else None
+        identities = tuple(w.verified for w in self.pool.workers)  # per request: cached while they stay the same
+        cached = self._template_defaults
+        if cached is not None and cached[0] == identities:
+            return cached[1]
+        found = Counter(identity.rendering.default_chat_template_kwargs for identity in identities
+                        if identity is not None)
+        defaults = found.most_common(1)[0][0] if found else None
+        self._template_defaults = (identities, defaults)
+        return defaults
 
     def route_key(self, admitted: AdmittedRequest, headers: Sequence[tuple[bytes, bytes]], salt: str) -> RouteKey:
         """What the model's policies route this request by. The prefix is hashed with the engines' cache salt: two
