@@ -54,11 +54,13 @@ def decode_sequence(frame: bytes) -> int:
 def decode_batch(payload: bytes) -> list[KVEvent]:
     try:
         batch = _decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise MalformedBatch(f"not msgpack: {exc}") from None
-    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
-        raise MalformedBatch("not an event batch [ts, events, ...]")
-    return [_event(raw) for raw in batch[1]]
+        if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+            raise MalformedBatch("not an event batch [ts, events, ...]")
+        return [_event(raw) for raw in batch[1]]
+    except MalformedBatch:
+        raise
+    except Exception as exc:  # msgspec's errors, RecursionError on deep nesting, anything else a payload provokes
+        raise MalformedBatch(f"not an event batch: {type(exc).__name__}") from None
 
 
 def _event(raw: Any) -> KVEvent:
@@ -79,7 +81,7 @@ def _event(raw: Any) -> KVEvent:
             return Removed(_ints(raw["block_hashes"]))
         if kind == "AllBlocksCleared":
             return Cleared()
-    raise MalformedBatch(f"not a KV event: {str(raw)[:80]}")
+    raise MalformedBatch(f"not a KV event: {type(raw).__name__}")  # never str(raw): it may nest deep
 
 
 def _stored(hashes: Any, parent: Any, token_ids: Any, block_size: Any) -> Stored:

@@ -293,14 +293,21 @@ class KvEventSubscriber:
         stream's end? Before any batch arrived, everything it still buffers is asked for: a publisher whose buffer
         starts at sequence 0 (or is empty) has told kvgate its whole history."""
         while True:
-            async with rank.lock:
-                first = rank.next_seq is None
-                ok = await self._replay(rank, rank.next_seq or 0, None, history=first)
-                if first and rank.answering:
-                    rank.complete = ok
-                elif not ok and rank.answering:
-                    self.stats.gaps_lost += 1
-                    rank.complete = False
+            try:
+                async with rank.lock:
+                    first = rank.next_seq is None
+                    ok = await self._replay(rank, rank.next_seq or 0, None, history=first)
+                    if first and rank.answering:
+                        rank.complete = ok
+                    elif not ok and rank.answering:
+                        self.stats.gaps_lost += 1
+                        rank.complete = False
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # whatever a replay sent, the probe goes on (a dead probe is a liveness check lost)
+                self.stats.malformed += 1
+                rank.complete = False
+                log.exception("KV events of %s: a replay could not be applied", self.name)
             self._update_mode()
             await asyncio.sleep(self._liveness_s)
 

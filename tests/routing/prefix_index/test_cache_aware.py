@@ -133,7 +133,8 @@ def test_both_sglang_event_shapes_decode_alike() -> None:
                                      msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1, 2, 3], 1, None]]]),
                                      msgspec.msgpack.encode([1.0, [["BlockStored", [1], "x", [1], 1, None]]]),
                                      msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [-1], 1, None]]]),
-                                     msgspec.msgpack.encode([1.0, [{"type": "Evicted"}]])])
+                                     msgspec.msgpack.encode([1.0, [{"type": "Evicted"}]]),
+                                     b"\x91" * 100_000 + b"\x01"])  # nested past the recursion limit
 def test_malformed_batches_are_refused_whole(payload: bytes) -> None:
     with pytest.raises(MalformedBatch):
         decode_batch(payload)

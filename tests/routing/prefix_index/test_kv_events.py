@@ -163,6 +163,20 @@ async def _test_a_tail_lost_without_a_later_batch_is_fetched_by_the_liveness_pro
     await until(lambda: index.held_blocks == 10, timeout_s=3 * LIVENESS_S + 2)
 
 
+def test_a_deeply_nested_replayed_batch_is_malformed_and_the_probe_lives_on() -> None:
+    asyncio.run(_in_wired(_test_a_deeply_nested_replayed_batch_is_malformed_and_the_probe_lives_on))
+
+
+async def _test_a_deeply_nested_replayed_batch_is_malformed_and_the_probe_lives_on(wired: Wired) -> None:
+    publisher, subscriber, index, _ = wired
+    # 100,000 nested arrays: msgpack's decoder raises RecursionError. Only the replay (the liveness probe) sees it.
+    await publisher.publish([], send=False, payload=b"\x91" * 100_000 + b"\x01")
+    await until(lambda: subscriber.stats.malformed == 1, timeout_s=3 * LIVENESS_S + 2)
+    await publisher.publish(stored(A, 100), send=False)  # a tail only the next probe can fetch
+    await until(lambda: index.held_blocks == 10, timeout_s=3 * LIVENESS_S + 2)
+    assert all(not task.done() for rank in subscriber._ranks for task in rank.tasks)
+
+
 def test_a_late_subscriber_replays_history_and_a_publisher_restart_empties_the_view() -> None:
     asyncio.run(_in_wired(_test_a_late_subscriber_replays_history_and_a_publisher_restart_empties_the_view))
 
