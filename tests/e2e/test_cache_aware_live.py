@@ -149,3 +149,14 @@ def test_configured_kv_events_endpoints_are_the_ones_subscribed(
     with gateway_for(engines, tmp_path, prefill=configured) as gateway:
         # The second is discovered from its /server_info; the first listens where nothing publishes.
         assert wait_for(lambda: modes(gateway) == [CacheMode.APPROXIMATE, CacheMode.EXACT], timeout_s=10)
+
+
+def test_overlong_input_ids_with_bad_values_are_refused_by_their_length_not_with_a_500(
+        engines: tuple[list[RunningEngine], RunningEngine], tmp_path: Path) -> None:
+    with gateway_for(engines, tmp_path) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
+        body = {"sampling_params": {"max_new_tokens": 1}}
+        for bad in (-1, 2**40, "x", 1.5):
+            overlong = client.post("/generate", json={"input_ids": [bad] + [9703] * 9000, **body})
+            assert overlong.status_code == 413, overlong.text  # as without cache_aware: the length decides first
+            within = client.post("/generate", json={"input_ids": [bad] + [9703] * 100, **body})
+            assert within.status_code == 400, within.text
