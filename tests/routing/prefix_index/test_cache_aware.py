@@ -96,7 +96,7 @@ def test_held_blocks_follow_the_engines_store_and_remove_events_in_exact_mode() 
     assert index.match(prompt(ids)) == 288
 
 
-def test_held_blocks_place_page_by_page_events_and_count_equal_prompts_of_two_namespaces_twice() -> None:
+def test_held_blocks_place_page_by_page_events_and_an_eviction_of_either_namespaces_copy_lowers_both() -> None:
     index = CacheIndex(page_size=1, capacity_tokens=100_000)
     rank = index.engine_view()
     ids = list(range(50, 150))
@@ -108,12 +108,56 @@ def test_held_blocks_place_page_by_page_events_and_count_equal_prompts_of_two_na
             parent = page_hash
         index.record(prompt(ids, namespace))
     index.mode = CacheMode.EXACT
-    rank.remove(hashes)  # namespace a's copy evicted: b's is still held
-    assert index.match(prompt(ids, "b")) == 96
+    assert index.match(prompt(ids, "a")) == index.match(prompt(ids, "b")) == 96
+    assert index.held_blocks == 3
+    rank.remove(hashes)  # one copy evicted, a's or b's: the event cannot say, so neither counts any more
+    assert index.match(prompt(ids, "a")) == index.match(prompt(ids, "b")) == 0
+    assert index.held_blocks == 3  # the other copy is still placed (a later removal of it is understood)
+    index.record(prompt(ids, "b"))  # b sends it again: b's own prediction comes back, a's does not
+    assert index.match(prompt(ids, "b")) == 96 and index.match(prompt(ids, "a")) == 0
     rank.remove(hashes)
-    assert index.match(prompt(ids, "b")) == 0
+    assert index.held_blocks == 0 and index.match(prompt(ids, "b")) == 0
     assert not rank.store([123], 999, [1], 1)  # a parent never seen: not placed, counted
     assert rank.unplaced == 1
+
+
+def test_another_namespaces_copy_stored_after_an_eviction_never_revives_a_prediction() -> None:
+    """The cross-tenant oracle: A's copy of a prefix is evicted; B then sends the same prefix (its copy's
+    BlockStored carries the same blind hashes). A's predicted match (on /metrics, and in its latency) must not
+    tell whether B did."""
+    ids = list(range(200, 520))
+    hashes = sglang_page_hashes(ids, 16)
+    seen = []
+    for b_sends in (False, True):
+        index = CacheIndex(page_size=16, capacity_tokens=100_000)
+        rank = index.engine_view()
+        index.mode = CacheMode.EXACT
+        index.record(prompt(ids, "a"))
+        rank.store(hashes, None, ids, 16)  # A's copy
+        rank.remove(hashes)  # ... evicted
+        if b_sends:
+            index.record(prompt(ids, "b"))
+            rank.store(hashes, None, ids, 16)  # B's copy: the same published hashes
+        seen.append(index.match(prompt(ids, "a")))
+    assert seen == [0, 0]
+
+
+def test_a_forgotten_eviction_lowers_every_older_prediction_instead_of_reviving_it() -> None:
+    index = CacheIndex(page_size=32, capacity_tokens=32 * 10)  # room for 10 eviction marks, in two halves
+    rank = index.engine_view()
+    index.mode = CacheMode.EXACT
+    ids = list(range(1000, 1097))  # 3 blocks of 32
+    hashes = sglang_page_hashes(ids[:96], 32)
+    index.record(prompt(ids, "a"))
+    rank.store(hashes, None, ids[:96], 32)
+    rank.remove(hashes[2:])
+    assert index.match(prompt(ids, "a")) == 64
+    for page in range(20):  # others' churn pushes that mark out of the bounded view
+        rank.store([10_000 + page], None, list(range(page, page + 32)), 32)
+        rank.remove([10_000 + page])
+    assert index.match(prompt(ids, "a")) <= 64  # never back to 96
+    index.record(prompt(ids, "a"))  # a sends it again: its own prediction is back
+    assert index.match(prompt(ids, "a")) == 96
 
 
 # ── events on the wire ────────────────────────────────────────────────────────────────────────────────────────
