@@ -10,7 +10,8 @@ Each gateway replica subscribes itself: the engine's report needs no shared stat
 - liveness: the SUB connection (ZMQ's socket monitor) and, with a replay socket, a replay request every
   `liveness_s` for the batches after the last one seen (which also fetches any tail a dropped message hid). A
   publisher that is down or does not answer puts the worker's index back to approximate mode until it does.
-Malformed batches are counted and skipped; nothing an engine sends can stop the subscriber.
+Malformed batches (or batches over the caps in events.py) are counted and skipped as a batch lost; nothing an
+engine sends can stop the subscriber or hold the event loop (a batch is applied in slices).
 """
 
 from __future__ import annotations
@@ -27,13 +28,35 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from routing.prefix_index.events import Cleared, MalformedBatch, Removed, Stored, decode_batch, decode_sequence
+from routing.prefix_index.events import (
+    MAX_BATCH_BYTES,
+    Cleared,
+    EventDecoder,
+    MalformedBatch,
+    Removed,
+    Stored,
+    decode_sequence,
+    split_batch,
+)
 from routing.prefix_index.index import CacheIndex, CacheMode, HeldBlocks
 
 log = logging.getLogger("kvgate.kv_events")
 
 _END = -1
-_YIELD_EVERY = 256  # events applied between two hand-overs to the event loop
+# Work between two hand-overs to the event loop (a few ms at most): events decoded and pages applied.
+_APPLY_YIELD_PAGES = 2048
+# The most of one frame a socket takes (ZMQ_MAXMSGSIZE: a larger one disconnects the peer, so it is never read;
+# the batch is a gap, replayed if it can be) and the batches it queues before dropping (ZMQ_RCVHWM: a drop is a
+# gap too): at most 64 x 16 MiB queued per rank, where a real stream's batches are ~1.5 MiB at most.
+_MAX_FRAME_BYTES = MAX_BATCH_BYTES + 4096
+_RECEIVE_HWM = 64
+
+
+def _bounded(socket: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME_BYTES)
+    socket.setsockopt(zmq.RCVHWM, _RECEIVE_HWM)
+    return socket
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +129,7 @@ class KvEventSubscriber:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         for rank in self._ranks:
-            sub = self._ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
+            sub = _bounded(self._ctx.socket(zmq.SUB))
             sub.setsockopt(zmq.SUBSCRIBE, rank.endpoint.topic.encode())
             # A monitor address of its own: pyzmq's default names it by the socket's fd, which a socket closed a
             # moment ago may still hold (the reaper frees it later), so a new subscriber would hear no CONNECTED.
@@ -212,33 +234,61 @@ class KvEventSubscriber:
         await self._apply(rank, seq, frames[2])
         self._update_mode()
 
-    async def _apply(self, rank: _Rank, seq: int, payload: bytes, *, history: bool = False) -> None:
+    async def _apply(self, rank: _Rank, seq: int, payload: bytes, *, history: bool = False) -> bool:
         """One batch into the rank's view. `history`: a batch from before this subscription's first live one, older
-        than anything kvgate sent since (a cache cleared back then says nothing of those prompts)."""
+        than anything kvgate sent since (a cache cleared back then says nothing of those prompts). False when the
+        batch was refused (malformed, or over the caps in events.py), from its first bad event on: a batch lost, as
+        a gap that could not be replayed. The view goes on, partial from here (the events it did apply were
+        well-formed, and an event only ever lowers a prediction, so stopping part-way is no worse than skipping).
+
+        One pass, event by event, a coalesced node in slices of pages, handing the loop over every few ms: the
+        largest batch the caps allow never holds the loop, and no decoded event outlives its application (a batch
+        kept whole would be ~1M tracked objects for the garbage collector's full passes to walk)."""
         rank.next_seq = seq + 1
         rank.reconnected = False
         self.stats.batches += 1
-        try:
-            events = decode_batch(payload)
-        except MalformedBatch as exc:
-            self.stats.malformed += 1
-            log.debug("KV events of %s: batch %d skipped: %s", self.name, seq, exc)
-            return
         view = rank.view
         overflows = view.overflows
-        for count, event in enumerate(events, 1):
-            if isinstance(event, Stored):
-                view.store(event.block_hashes, event.parent, event.token_ids, event.page_size)
-            elif isinstance(event, Removed):
-                view.remove(event.block_hashes)
-            elif isinstance(event, Cleared):
-                self._engine_emptied(forget_sent=not history)
-                rank.complete = True
-            if count % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)
-        if view.overflows != overflows:  # the view was dropped: what it held before is unknown from here on
+        decoder = EventDecoder()
+        work = 0
+        try:
+            for raw in split_batch(payload):
+                event = decoder.decode(raw)
+                work += 1
+                if isinstance(event, Stored):
+                    hashes, ids, size, parent = event.block_hashes, event.token_ids, event.page_size, event.parent
+                    for start in range(0, len(hashes), _APPLY_YIELD_PAGES):  # a coalesced node: a slice at a time
+                        chunk = hashes[start:start + _APPLY_YIELD_PAGES]
+                        view.store(chunk, parent, ids[start * size:(start + len(chunk)) * size], size)
+                        parent = chunk[-1]
+                        work += len(chunk)
+                        if work >= _APPLY_YIELD_PAGES:
+                            work = 0
+                            await asyncio.sleep(0)
+                elif isinstance(event, Removed):
+                    hashes = event.block_hashes
+                    for start in range(0, len(hashes), _APPLY_YIELD_PAGES):
+                        view.remove(hashes[start:start + _APPLY_YIELD_PAGES])
+                        work += min(_APPLY_YIELD_PAGES, len(hashes) - start)
+                        if work >= _APPLY_YIELD_PAGES:
+                            work = 0
+                            await asyncio.sleep(0)
+                elif isinstance(event, Cleared):
+                    self._engine_emptied(forget_sent=not history)
+                    rank.complete = True
+                if work >= _APPLY_YIELD_PAGES:
+                    work = 0
+                    await asyncio.sleep(0)
+        except MalformedBatch as exc:
+            self.stats.malformed += 1
             rank.complete = False
-            log.warning("KV events of %s: more pages stored than the pool holds; view dropped", self.name)
+            log.debug("KV events of %s: batch %d refused: %s", self.name, seq, exc)
+            return False
+        finally:
+            if view.overflows != overflows:  # the view was dropped: what it held before is unknown from here on
+                rank.complete = False
+                log.warning("KV events of %s: more pages stored than the pool holds; view dropped", self.name)
+        return True
 
     def _engine_emptied(self, *, forget_sent: bool = True) -> None:
         for rank in self._ranks:  # a flush or a restart empties every rank's cache
@@ -253,8 +303,7 @@ class KvEventSubscriber:
         replay = rank.endpoint.replay_endpoint
         if replay is None:
             return False
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = _bounded(self._ctx.socket(zmq.DEALER))
         dealer.connect(replay)
         topic = rank.endpoint.topic.encode()
         expected = start
@@ -278,7 +327,7 @@ class KvEventSubscriber:
                     continue
                 if seq > expected:
                     complete = False  # the buffer no longer holds what came between
-                await self._apply(rank, seq, frames[-1], history=history)
+                complete = await self._apply(rank, seq, frames[-1], history=history) and complete
                 expected = seq + 1
             rank.answering = True
             return complete and (stop is None or expected == stop)

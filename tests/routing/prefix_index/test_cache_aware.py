@@ -17,7 +17,16 @@ from routing.policies.kv_headroom import KvHeadroom
 from routing.pools import Lease, WorkerPair
 from routing.prefix_index import CacheIndex, CacheMode, PromptTokens
 from routing.prefix_index.blocks import block_tokens_for, ids_to_bytes
-from routing.prefix_index.events import Cleared, MalformedBatch, Removed, Stored, decode_batch
+from routing.prefix_index.events import (
+    MAX_BATCH_BYTES,
+    MAX_BATCH_EVENTS,
+    MAX_BATCH_PAGES,
+    Cleared,
+    MalformedBatch,
+    Removed,
+    Stored,
+    decode_batch,
+)
 from routing.prefix_index.index import _Generations, prefix_depth
 from routing.prefix_index.subscriber import connectable
 from routing.workers import Worker, WorkerSpec
@@ -182,6 +191,18 @@ def test_both_sglang_event_shapes_decode_alike() -> None:
 def test_malformed_batches_are_refused_whole(payload: bytes) -> None:
     with pytest.raises(MalformedBatch):
         decode_batch(payload)
+
+
+@pytest.mark.parametrize("events", [[["AllBlocksCleared"]] * (MAX_BATCH_EVENTS + 1),
+                                    [["BlockRemoved", [1] * (MAX_BATCH_PAGES + 1)]],
+                                    [["BlockRemoved", [1] * (MAX_BATCH_PAGES // 2 + 1)]] * 2,
+                                    [["BlockRemoved", [1] * (MAX_BATCH_BYTES // 9)]],
+                                    [["BlockRemoved", [2**62] * (MAX_BATCH_BYTES // 9 + 1)]]])
+def test_batches_over_the_caps_are_refused(events: list[object]) -> None:
+    """More events, or page hashes, than a scheduler step of a real engine publishes, or more bytes than the
+    subscriber's sockets take."""
+    with pytest.raises(MalformedBatch):
+        decode_batch(msgspec.msgpack.encode([0.0, events]))
 
 
 def test_an_engines_wildcard_bind_address_becomes_the_workers_host_with_the_ranks_port() -> None:
