@@ -12,7 +12,7 @@ from functools import partial
 from urllib.parse import urlsplit
 
 from routing.prefix_index.index import CacheIndex, CacheMode
-from routing.prefix_index.subscriber import EventsEndpoint, KvEventSubscriber, connectable
+from routing.prefix_index.subscriber import MAX_EVENT_RANKS, EventsEndpoint, KvEventSubscriber, connectable
 from routing.workers import Worker
 
 log = logging.getLogger("kvgate.kv_events")
@@ -62,11 +62,12 @@ class CacheTracking:
         endpoints = self._endpoints(worker)
         if not endpoints:
             return
-        subscriber = KvEventSubscriber(worker.url, index, endpoints, liveness_s=self._liveness_s,
-                                       on_mode=partial(self._mode_changed, worker))
         try:
-            subscriber.start()
+            subscriber = KvEventSubscriber(worker.url, index, endpoints, liveness_s=self._liveness_s,
+                                           on_mode=partial(self._mode_changed, worker))
+            subscriber.start()  # closes whatever it opened when it fails
         except Exception as exc:  # a bad endpoint must not keep the worker out of rotation: it routes approximately
+            index.events_refused = f"cannot subscribe: {exc}"
             log.warning("KV events of %s: cannot subscribe (%s); routing by what kvgate sent", worker.url, exc)
             return
         self.subscribers[worker] = subscriber
@@ -80,6 +81,13 @@ class CacheTracking:
             return [configured]
         identity = worker.verified
         if identity is None or identity.kv_events_config is None:
+            return []
+        if identity.event_ranks > MAX_EVENT_RANKS:  # an engine's claim: never followed past what one worker may cost
+            reason = (f"dp_size {identity.event_ranks} is over the {MAX_EVENT_RANKS} KV event publishers kvgate "
+                      "follows per worker")
+            if worker.cache_index is not None:
+                worker.cache_index.events_refused = reason
+            log.warning("KV events of %s: %s; routing by what kvgate sent", worker.url, reason)
             return []
         settings = json.loads(identity.kv_events_config)
         endpoint, replay = settings.get("endpoint", "tcp://*:5557"), settings.get("replay_endpoint")

@@ -238,6 +238,7 @@ class CacheIndex:
         self._evictions = _Evictions(self.capacity_blocks)
         self.ranks: list[HeldBlocks] = []
         self.mode = CacheMode.APPROXIMATE
+        self.events_refused: str | None = None  # why the engine's KV events are not followed (None: they are)
 
     def engine_view(self) -> HeldBlocks:
         """A new view of one publishing rank's cache (the KV-event subscriber fills it)."""

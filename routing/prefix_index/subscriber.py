@@ -50,6 +50,11 @@ _APPLY_YIELD_PAGES = 2048
 # gap too): at most 64 x 16 MiB queued per rank, where a real stream's batches are ~1.5 MiB at most.
 _MAX_FRAME_BYTES = MAX_BATCH_BYTES + 4096
 _RECEIVE_HWM = 64
+# Publishers one subscriber follows (SGLang: one per attention data-parallel rank). Large expert-parallel prefills
+# run dp-attention over up to a few nodes (8-32 ranks); each rank costs ~4 sockets and ~5 file descriptors here,
+# so an engine claiming more (its /server_info's dp_size) is refused rather than followed.
+MAX_EVENT_RANKS = 64
+_SOCKETS_PER_RANK = 4  # the SUB, its monitor's two ends (one inside libzmq), a replay's DEALER
 
 
 def _bounded(socket: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
@@ -120,44 +125,69 @@ class KvEventSubscriber:
         self.name = name  # the worker, for the log
         self.index = index
         self.stats = SubscriberStats()
+        if len(endpoints) > MAX_EVENT_RANKS:
+            raise ValueError(f"{len(endpoints)} KV event publishers (data-parallel ranks); at most {MAX_EVENT_RANKS}")
         self._liveness_s = liveness_s
         self._on_mode = on_mode
-        self._ctx = zmq.asyncio.Context.instance()
+        # A context of its own, its socket count bounded to what its ranks need: one engine's claims cannot use up
+        # the sockets of every other worker's subscriber (pyzmq's shared context holds 1,023 in all).
+        self._ctx = zmq.asyncio.Context(io_threads=1)
+        self._ctx.set(zmq.MAX_SOCKETS, _SOCKETS_PER_RANK * len(endpoints) + 4)
         self._ranks = [_Rank(endpoint, index.engine_view()) for endpoint in endpoints]
         self._mode_logged: CacheMode | None = None
+        self._closed = False
 
     def start(self) -> None:
+        """Subscribe to every rank; on any failure (a bad endpoint, no sockets or file descriptors left) nothing
+        opened stays open, and the error is raised."""
         loop = asyncio.get_running_loop()
-        for rank in self._ranks:
-            sub = _bounded(self._ctx.socket(zmq.SUB))
-            sub.setsockopt(zmq.SUBSCRIBE, rank.endpoint.topic.encode())
-            # A monitor address of its own: pyzmq's default names it by the socket's fd, which a socket closed a
-            # moment ago may still hold (the reaper frees it later), so a new subscriber would hear no CONNECTED.
-            address = f"inproc://kvgate-kv-monitor-{next(_MONITOR_IDS)}"
-            sub.monitor(address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            monitor = self._ctx.socket(zmq.PAIR)
-            monitor.setsockopt(zmq.LINGER, 0)
-            monitor.connect(address)
-            sub.connect(rank.endpoint.endpoint)
-            rank.sockets = [sub, monitor]
-            rank.tasks = [loop.create_task(self._receive(rank, sub), name=f"kvgate-kv-events-{self.name}"),
-                          loop.create_task(self._watch_connection(rank, monitor),
-                                           name=f"kvgate-kv-monitor-{self.name}")]
-            if rank.endpoint.replay_endpoint:
-                rank.tasks.append(loop.create_task(self._probe(rank), name=f"kvgate-kv-probe-{self.name}"))
+        try:
+            for rank in self._ranks:
+                sub = _bounded(self._ctx.socket(zmq.SUB))
+                rank.sockets = [sub]
+                sub.setsockopt(zmq.SUBSCRIBE, rank.endpoint.topic.encode())
+                # A monitor address of its own: pyzmq's default names it by the socket's fd, which a socket closed a
+                # moment ago may still hold (the reaper frees it later), so a new subscriber would hear no CONNECTED.
+                address = f"inproc://kvgate-kv-monitor-{next(_MONITOR_IDS)}"
+                sub.monitor(address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                monitor = self._ctx.socket(zmq.PAIR)
+                rank.sockets.append(monitor)
+                monitor.setsockopt(zmq.LINGER, 0)
+                monitor.connect(address)
+                sub.connect(rank.endpoint.endpoint)
+                rank.tasks = [loop.create_task(self._receive(rank, sub), name=f"kvgate-kv-events-{self.name}"),
+                              loop.create_task(self._watch_connection(rank, monitor),
+                                               name=f"kvgate-kv-monitor-{self.name}")]
+                if rank.endpoint.replay_endpoint:
+                    rank.tasks.append(loop.create_task(self._probe(rank), name=f"kvgate-kv-probe-{self.name}"))
+        except BaseException:
+            for rank in self._ranks:
+                for task in rank.tasks:
+                    task.cancel()  # not started yet: each ends at its first step, holding nothing
+                rank.tasks = []
+            self._close()
+            raise
 
     async def stop(self) -> None:
         tasks = [task for rank in self._ranks for task in rank.tasks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._close()
+
+    def _close(self) -> None:
+        """Every socket closed, the context ended, the views out of the index."""
         for rank in self._ranks:
+            rank.tasks = []
             if rank.sockets:
                 with contextlib.suppress(zmq.ZMQError):
                     rank.sockets[0].disable_monitor()
             for socket in reversed(rank.sockets):
                 socket.close(linger=0)
             rank.sockets = []
+        if not self._closed:
+            self._closed = True
+            self._ctx.destroy(linger=0)  # any socket a replay left (closed in its finally) and the IO thread
         self.index.ranks = [view for view in self.index.ranks if all(view is not r.view for r in self._ranks)]
         self.index.mode = CacheMode.APPROXIMATE
 
