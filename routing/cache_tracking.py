@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from urllib.parse import urlsplit
 
-from routing.prefix_index.index import CacheIndex, CacheMode
+from routing.prefix_index.index import DEFAULT_INDEX_BYTES, CacheIndex, CacheMode
 from routing.prefix_index.subscriber import MAX_EVENT_RANKS, EventsEndpoint, KvEventSubscriber, connectable
 from routing.workers import Worker
 
@@ -22,10 +22,12 @@ OnMode = Callable[[Worker, CacheMode], None]
 
 class CacheTracking:
     def __init__(self, *, configured: Mapping[str, EventsEndpoint], liveness_s: float, follow_events: bool = True,
-                 on_mode: OnMode | None = None) -> None:
+                 index_bytes: int = DEFAULT_INDEX_BYTES, on_mode: OnMode | None = None) -> None:
         """`configured`: KV-event endpoints by worker URL, from YAML (others are read from the engine's
         /server_info); `liveness_s`: how soon a silent publisher puts its worker back to approximate mode;
-        `follow_events=False`: no subscriber at all (every index routes by what kvgate sent)."""
+        `follow_events=False`: no subscriber at all (every index routes by what kvgate sent); `index_bytes`: the most
+        one worker's index may take, whatever pool its engine claims (divided among its ranks' views)."""
+        self._index_bytes = index_bytes
         self._follow_events = follow_events
         self._configured = dict(configured)
         self._liveness_s = liveness_s
@@ -57,7 +59,8 @@ class CacheTracking:
         identity = worker.verified
         if identity is None or self._closed:
             return
-        index = worker.cache_index = CacheIndex(page_size=identity.page_size, capacity_tokens=identity.pool_tokens)
+        index = worker.cache_index = CacheIndex(page_size=identity.page_size, capacity_tokens=identity.pool_tokens,
+                                                max_bytes=self._index_bytes)
         self.detach(worker)
         endpoints = self._endpoints(worker)
         if not endpoints:

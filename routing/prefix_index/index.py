@@ -133,6 +133,10 @@ class _Evictions:
             self.floor = self._young_since  # the old half's marks, all stamped at or before it, are dropped
             self._old, self._young, self._young_since = self._young, {}, self.now
 
+    def lower_all(self) -> None:
+        """Whatever was sent until now counts as evicted (what the engine evicted can no longer be told)."""
+        self.floor = max(self.floor, self.now)
+
     def at(self, key: int) -> int:
         """The clock at the block's last reported eviction (or the floor): it counts only if sent after."""
         stamp = self._young.get(key)
@@ -155,8 +159,9 @@ class HeldBlocks:
     __slots__ = ("_blocks", "_evictions", "_max_pages", "_pages", "block_tokens", "overflows", "unplaced")
 
     def __init__(self, block_tokens: int, evictions: _Evictions, *, max_pages: int) -> None:
-        """`max_pages`: more pages than the engine's pool can hold means events were lost (or the engine is
-        broken): the view is dropped rather than grown without bound."""
+        """`max_pages`: more pages than the engine's pool can hold (or than the index's bytes allow) means events
+        were lost, or the engine is broken or larger than kvgate was given room for: the view is dropped rather than
+        grown without bound, and every prediction made before it is lowered."""
         self.block_tokens = block_tokens
         self._max_pages = max_pages
         self._pages: dict[int, tuple[int, bytes, int]] = {}  # engine page hash → (block key, tokens after it, refs)
@@ -196,6 +201,9 @@ class HeldBlocks:
             if previous is None and len(self._pages) >= self._max_pages:
                 self.clear()
                 self.overflows += 1
+                # Evictions of the pages it placed can no longer be seen: every block sent until now stops counting
+                # (never leaves one counting that the engine may have evicted meanwhile).
+                self._evictions.lower_all()
                 return False
             self._pages[page_hash] = (key, tail, (previous[2] if previous else 0) + 1)
             if ends_block and not tail:  # never clears an eviction mark: the copy stored may be another namespace's
@@ -226,25 +234,37 @@ class HeldBlocks:
         self._blocks.clear()
 
 
+DEFAULT_INDEX_BYTES = 1 << 30  # routing.cache_aware_index_bytes
+PAGE_BYTES = 256  # what one engine page held costs a view (measured: ~245 B at page size 1 and 16, CPython 3.11)
+KEY_BYTES = 96  # what one block key costs the sent view or the eviction marks (a dict slot and a 64-bit int)
+
+
 class CacheIndex:
     """What kvgate knows of one prefill's radix cache (see the module docstring). `ranks` holds one engine view per
-    data-parallel rank publishing events (each rank has its own radix cache): an eviction on any rank lowers."""
+    data-parallel rank publishing events (each rank has its own radix cache): an eviction on any rank lowers.
 
-    def __init__(self, *, page_size: int, capacity_tokens: int) -> None:
+    Bounded by the engine's pool (its claim) and by `max_bytes`, whichever is less: an eighth of it each for the
+    sent keys and the eviction marks, the rest for the engine views, shared by the ranks."""
+
+    def __init__(self, *, page_size: int, capacity_tokens: int, max_bytes: int = DEFAULT_INDEX_BYTES) -> None:
         self.page_size = max(1, page_size)
         self.block_tokens = block_tokens_for(self.page_size)
-        self.capacity_blocks = max(1, capacity_tokens // self.block_tokens)
+        self.pool_blocks = max(1, capacity_tokens // self.block_tokens)
+        self.capacity_blocks = min(self.pool_blocks, max(1, max_bytes // 8 // KEY_BYTES))
+        self._view_bytes = max_bytes - 2 * (max_bytes // 8)
         self._sent = _Generations(self.capacity_blocks)  # namespaced key → the clock when last sent
         self._evictions = _Evictions(self.capacity_blocks)
         self.ranks: list[HeldBlocks] = []
         self.mode = CacheMode.APPROXIMATE
         self.events_refused: str | None = None  # why the engine's KV events are not followed (None: they are)
 
-    def engine_view(self) -> HeldBlocks:
-        """A new view of one publishing rank's cache (the KV-event subscriber fills it)."""
-        # Twice the pool in pages: equal prompts of several namespaces share page hashes (counted once here).
+    def engine_view(self, *, of_ranks: int = 1) -> HeldBlocks:
+        """A new view of one publishing rank's cache (the KV-event subscriber fills it), one of `of_ranks`."""
+        # Twice the pool in pages (a margin for events that trail: hashes shared by namespaces count once here),
+        # and never more than the rank's share of the bytes.
+        pool_pages = 2 * self.pool_blocks * self.block_tokens // self.page_size
         view = HeldBlocks(self.block_tokens, self._evictions,
-                          max_pages=2 * self.capacity_blocks * self.block_tokens // self.page_size)
+                          max_pages=max(1, min(pool_pages, self._view_bytes // max(1, of_ranks) // PAGE_BYTES)))
         self.ranks.append(view)
         return view
 
@@ -280,3 +300,7 @@ class CacheIndex:
     @property
     def held_blocks(self) -> int:
         return sum(rank.blocks for rank in self.ranks)
+
+    @property
+    def view_overflows(self) -> int:
+        return sum(rank.overflows for rank in self.ranks)

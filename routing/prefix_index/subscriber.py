@@ -133,7 +133,7 @@ class KvEventSubscriber:
         # the sockets of every other worker's subscriber (pyzmq's shared context holds 1,023 in all).
         self._ctx = zmq.asyncio.Context(io_threads=1)
         self._ctx.set(zmq.MAX_SOCKETS, _SOCKETS_PER_RANK * len(endpoints) + 4)
-        self._ranks = [_Rank(endpoint, index.engine_view()) for endpoint in endpoints]
+        self._ranks = [_Rank(endpoint, index.engine_view(of_ranks=len(endpoints))) for endpoint in endpoints]
         self._mode_logged: CacheMode | None = None
         self._closed = False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import tracemalloc
 
 import msgspec
 import pytest
@@ -27,7 +28,7 @@ from routing.prefix_index.events import (
     Stored,
     decode_batch,
 )
-from routing.prefix_index.index import _Generations, prefix_depth
+from routing.prefix_index.index import KEY_BYTES, PAGE_BYTES, _Generations, prefix_depth
 from routing.prefix_index.subscriber import connectable
 from routing.workers import Worker, WorkerSpec
 
@@ -297,6 +298,31 @@ def test_prefix_depth_gallops_to_the_same_answer_as_a_scan() -> None:
 def test_an_engine_reporting_more_pages_than_its_pool_holds_cannot_grow_the_view_without_bound() -> None:
     index = CacheIndex(page_size=32, capacity_tokens=3200)  # 100 blocks of 32: at most 200 pages held
     rank = index.engine_view()
+    index.mode = CacheMode.EXACT
+    sent = list(range(5000, 5097))
+    index.record(prompt(sent))
+    assert index.match(prompt(sent)) == 96
     for page in range(1000):
         rank.store([page], None, list(range(32)), 32)
     assert rank.overflows >= 4 and rank.blocks <= 200
+    assert index.match(prompt(sent)) == 0  # its evictions could no longer be placed: it stops counting
+    index.record(prompt(sent))
+    assert index.match(prompt(sent)) == 96
+
+
+def test_a_claimed_pool_of_10_12_tokens_is_bounded_by_the_index_bytes_shared_by_the_ranks() -> None:
+    budget = 8 << 20
+    index = CacheIndex(page_size=1, capacity_tokens=10**12, max_bytes=budget)
+    views = [index.engine_view(of_ranks=2) for _ in range(2)]
+    assert index.capacity_blocks * KEY_BYTES <= budget // 8  # the sent keys and the eviction marks: an eighth each
+    tracemalloc.start()
+    try:
+        parent = None
+        for page in range(budget // PAGE_BYTES):  # more pages than the whole budget holds, into one rank's view
+            views[0].store([page], parent, [page % 50_000], 1)
+            parent = page
+            peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert views[0].overflows >= 1  # dropped at its share, not grown
+    assert peak <= (budget - 2 * (budget // 8)) // 2 * 1.2, peak  # its share of the rest: half, with a margin
