@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -172,6 +173,7 @@ class LoopLag:
         return self.worst
 
 
+@pytest.mark.long_running(seconds=8)
 def test_huge_batches_never_stall_the_event_loop() -> None:
     async def scenario() -> None:
         async with wired(page_size=1) as setup:
