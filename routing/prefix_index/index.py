@@ -130,7 +130,7 @@ class _Evictions:
     def mark(self, key: int) -> None:
         self._young[key] = self.now
         if len(self._young) >= self._half:
-            self.floor = self._young_since  # the old half's marks, all stamped at or before it, are dropped
+            self.floor = max(self.floor, self._young_since)  # the old half's marks, none later, are dropped
             self._old, self._young, self._young_since = self._young, {}, self.now
 
     def lower_all(self) -> None:
@@ -141,8 +141,8 @@ class _Evictions:
         """The clock at the block's last reported eviction (or the floor): it counts only if sent after."""
         stamp = self._young.get(key)
         if stamp is None:
-            stamp = self._old.get(key, self.floor)
-        return stamp
+            stamp = self._old.get(key, 0)
+        return max(stamp, self.floor)  # a mark older than a floor raised since says less than the floor
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)

@@ -326,3 +326,19 @@ def test_a_claimed_pool_of_10_12_tokens_is_bounded_by_the_index_bytes_shared_by_
         tracemalloc.stop()
     assert views[0].overflows >= 1  # dropped at its share, not grown
     assert peak <= (budget - 2 * (budget // 8)) // 2 * 1.2, peak  # its share of the rest: half, with a margin
+
+
+def test_a_dropped_view_lowers_even_blocks_whose_own_eviction_mark_is_older() -> None:
+    index = CacheIndex(page_size=32, capacity_tokens=3200)  # at most 200 pages held
+    rank = index.engine_view()
+    index.mode = CacheMode.EXACT
+    ids = list(range(5000, 5097))
+    hashes = sglang_page_hashes(ids[:96], 32)
+    index.record(prompt(ids))
+    rank.store(hashes, None, ids[:96], 32)
+    rank.remove(hashes[:1])  # the first block's eviction: marked
+    index.record(prompt(ids))  # sent again since: counts again
+    assert index.match(prompt(ids)) == 96
+    for page in range(300):  # the view is dropped: every block sent until now stops counting
+        rank.store([page], None, list(range(32)), 32)
+    assert rank.overflows >= 1 and index.match(prompt(ids)) == 0
