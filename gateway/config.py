@@ -148,6 +148,9 @@ class RoutingConfig(_Strict):
     retries: int = Field(2, ge=0, le=5, description="other pairs tried when a worker provably never got the request")
     cache_aware_tokens: int = Field(65536, ge=64, le=1 << 20, description="cache_aware: leading prompt tokens "
                                                                           "matched against the prefills' caches")
+    cache_aware_index_bytes: int = Field(1 << 30, ge=1 << 20, description="cache_aware: the most one prefill's "
+                                         "cache index may take (~256 B an engine page, shared by its ranks), "
+                                         "whatever pool the engine claims")
     kv_events: Literal["auto", "off"] = Field("auto", description="cache_aware: follow the prefills' KV events "
                                               "where they publish them (a worker's kv_events, else its "
                                               "/server_info), or off: route by what kvgate sent alone")

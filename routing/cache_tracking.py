@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from urllib.parse import urlsplit
 
-from routing.prefix_index.index import CacheIndex, CacheMode
-from routing.prefix_index.subscriber import EventsEndpoint, KvEventSubscriber, connectable
+from routing.prefix_index.index import DEFAULT_INDEX_BYTES, CacheIndex, CacheMode
+from routing.prefix_index.subscriber import MAX_EVENT_RANKS, EventsEndpoint, KvEventSubscriber, connectable
 from routing.workers import Worker
 
 log = logging.getLogger("kvgate.kv_events")
@@ -22,10 +22,12 @@ OnMode = Callable[[Worker, CacheMode], None]
 
 class CacheTracking:
     def __init__(self, *, configured: Mapping[str, EventsEndpoint], liveness_s: float, follow_events: bool = True,
-                 on_mode: OnMode | None = None) -> None:
+                 index_bytes: int = DEFAULT_INDEX_BYTES, on_mode: OnMode | None = None) -> None:
         """`configured`: KV-event endpoints by worker URL, from YAML (others are read from the engine's
         /server_info); `liveness_s`: how soon a silent publisher puts its worker back to approximate mode;
-        `follow_events=False`: no subscriber at all (every index routes by what kvgate sent)."""
+        `follow_events=False`: no subscriber at all (every index routes by what kvgate sent); `index_bytes`: the most
+        one worker's index may take, whatever pool its engine claims (divided among its ranks' views)."""
+        self._index_bytes = index_bytes
         self._follow_events = follow_events
         self._configured = dict(configured)
         self._liveness_s = liveness_s
@@ -57,16 +59,18 @@ class CacheTracking:
         identity = worker.verified
         if identity is None or self._closed:
             return
-        index = worker.cache_index = CacheIndex(page_size=identity.page_size, capacity_tokens=identity.pool_tokens)
+        index = worker.cache_index = CacheIndex(page_size=identity.page_size, capacity_tokens=identity.pool_tokens,
+                                                max_bytes=self._index_bytes)
         self.detach(worker)
         endpoints = self._endpoints(worker)
         if not endpoints:
             return
-        subscriber = KvEventSubscriber(worker.url, index, endpoints, liveness_s=self._liveness_s,
-                                       on_mode=partial(self._mode_changed, worker))
         try:
-            subscriber.start()
+            subscriber = KvEventSubscriber(worker.url, index, endpoints, liveness_s=self._liveness_s,
+                                           on_mode=partial(self._mode_changed, worker))
+            subscriber.start()  # closes whatever it opened when it fails
         except Exception as exc:  # a bad endpoint must not keep the worker out of rotation: it routes approximately
+            index.events_refused = f"cannot subscribe: {exc}"
             log.warning("KV events of %s: cannot subscribe (%s); routing by what kvgate sent", worker.url, exc)
             return
         self.subscribers[worker] = subscriber
@@ -80,6 +84,13 @@ class CacheTracking:
             return [configured]
         identity = worker.verified
         if identity is None or identity.kv_events_config is None:
+            return []
+        if identity.event_ranks > MAX_EVENT_RANKS:  # an engine's claim: never followed past what one worker may cost
+            reason = (f"dp_size {identity.event_ranks} is over the {MAX_EVENT_RANKS} KV event publishers kvgate "
+                      "follows per worker")
+            if worker.cache_index is not None:
+                worker.cache_index.events_refused = reason
+            log.warning("KV events of %s: %s; routing by what kvgate sent", worker.url, reason)
             return []
         settings = json.loads(identity.kv_events_config)
         endpoint, replay = settings.get("endpoint", "tcp://*:5557"), settings.get("replay_endpoint")

@@ -57,7 +57,8 @@ class Member:
             "cache": None if w.cache_index is None else {
                 "mode": w.cache_index.mode.value, "block_tokens": w.cache_index.block_tokens,
                 "capacity_blocks": w.cache_index.capacity_blocks, "sent_blocks": w.cache_index.sent_blocks,
-                "held_blocks": w.cache_index.held_blocks},
+                "held_blocks": w.cache_index.held_blocks, "events_refused": w.cache_index.events_refused,
+                "view_overflows": w.cache_index.view_overflows},
         }
 
 

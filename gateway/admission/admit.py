@@ -205,9 +205,11 @@ class Admission:
         prompt = request.prompt
         if isinstance(prompt, IdsPrompt):
             n = len(prompt.ids)
+            route_ids = None
             if n <= limit:  # the length alone decides a refusal, before any id is looked at
                 await _maybe_off_loop(self._check_ids, prompt.ids, large=off_loop)
-            route_ids = await self._route_ids(prompt.ids, tenant, large=off_loop)
+                # Only checked ids become routing ids (array("I") of -1, 2**40 or "x" would raise: a 500).
+                route_ids = await self._route_ids(prompt.ids, tenant, large=off_loop)
             return dict.fromkeys(dialects, CountResult(n, exact=True)), prompt.ids, route_ids
         if isinstance(prompt, TextPrompt):
             route_ids = await self._route_ids((prompt.text, True), tenant, large=off_loop)

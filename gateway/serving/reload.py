@@ -44,7 +44,7 @@ def restart_needed(old: GatewayConfig, new: GatewayConfig) -> list[str]:
             problems.append(f"models.{before.name}: prefix hashing changed (prefix_affinity or prefix_tokens)")
         if _cache_routing(before) != _cache_routing(after):
             problems.append(f"models.{before.name}: cache-aware routing changed (cache_aware, cache_aware_tokens, "
-                            "kv_headroom or a worker's kv_events)")
+                            "cache_aware_index_bytes, kv_headroom or a worker's kv_events)")
     return problems
 
 
@@ -53,7 +53,8 @@ def _cache_routing(model: ModelConfig) -> tuple[object, ...]:
     routing = model.routing
     events = tuple(sorted((url, str(events)) for url, events in model.kv_events_endpoints.items()))
     return (routing.cache_aware_tokens if routing.prefill_policy == "cache_aware" else None,
-            routing.needs_prompt_sizes, routing.kv_events, events if routing.prefill_policy == "cache_aware" else ())
+            routing.needs_prompt_sizes, routing.kv_events, events if routing.prefill_policy == "cache_aware" else (),
+            routing.cache_aware_index_bytes if routing.prefill_policy == "cache_aware" else None)
 
 
 def _prefix_tokens(model: ModelConfig) -> int | None:

@@ -4,14 +4,15 @@
 The events come in two shapes. 0.5.8 encodes them array-like with the class name first
 (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id]`); 0.5.22+ as tagged maps
 (`{"type": "BlockStored", "block_hashes": [...], ...}`, optional fields left out), and coalesces one chain's pages
-into one event (`KvEventRecorder.enqueue`). Both decode to the same three types here. Anything else is a
-malformed batch: the subscriber counts it and skips it whole.
+into one event (`KvEventRecorder.enqueue`). Both decode to the same three types here. Anything else, or a batch
+over the caps below, is a malformed batch: the subscriber counts it and skips it whole (a batch lost: see
+subscriber.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -41,8 +42,62 @@ class MalformedBatch(ValueError):
     pass
 
 
-_decoder = msgspec.msgpack.Decoder()
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+# Caps on one batch, from what a real one can be. SGLang publishes one batch per scheduler step: the pages that step
+# stored (a prefill step computes at most max_prefill_tokens / chunked_prefill_size new tokens, 8,192-16,384 by
+# default) and the pages it evicted to make room for them (about as many). 0.5.8 spends ~45 bytes on a page stored
+# (one event each) and ~25 on one removed; 0.5.22+ coalesces a node's pages (~14 and ~9 bytes a page). A default
+# step at page size 1 is then at most ~1.5 MiB; the caps leave 10x that, and room for a node of a 1M-token prompt.
+MAX_BATCH_BYTES = 16 * 2**20  # also the SUB and replay sockets' ZMQ_MAXMSGSIZE: a larger message is never received
+MAX_BATCH_EVENTS = 1 << 19  # 524,288 events (0.5.8: about 2 x 262,144 pages at page size 1)
+MAX_BATCH_PAGES = 1 << 20  # 1,048,576 page hashes in all the batch's events together (and in any one of them)
+
+_Hashes = Annotated[list[int], msgspec.Meta(max_length=MAX_BATCH_PAGES)]
+_TokenIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]],
+                      msgspec.Meta(max_length=MAX_BATCH_BYTES)]
+_PageSize = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class _Batch(msgspec.Struct, array_like=True, gc=False):
+    ts: Any
+    events: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]  # decoded one by one
+
+
+# 0.5.8: arrays led by the tag (trailing fields, lora_id and later ones, are ignored).
+class _Stored058(msgspec.Struct, array_like=True, gc=False, tag="BlockStored"):
+    block_hashes: _Hashes
+    parent_block_hash: int | None
+    token_ids: _TokenIds
+    block_size: _PageSize
+
+
+class _Removed058(msgspec.Struct, array_like=True, gc=False, tag="BlockRemoved"):
+    block_hashes: _Hashes
+
+
+class _Cleared058(msgspec.Struct, array_like=True, gc=False, tag="AllBlocksCleared"):
+    pass
+
+
+# 0.5.22+: maps tagged by "type" (other keys, medium and later ones, are ignored).
+class _Stored0522(msgspec.Struct, gc=False, tag="BlockStored"):
+    block_hashes: _Hashes
+    token_ids: _TokenIds
+    block_size: _PageSize
+    parent_block_hash: int | None = None
+
+
+class _Removed0522(msgspec.Struct, gc=False, tag="BlockRemoved"):
+    block_hashes: _Hashes
+
+
+class _Cleared0522(msgspec.Struct, gc=False, tag="AllBlocksCleared"):
+    pass
+
+
+_batch_decoder = msgspec.msgpack.Decoder(_Batch)
+_array_events = msgspec.msgpack.Decoder(_Stored058 | _Removed058 | _Cleared058)
+_map_events = msgspec.msgpack.Decoder(_Stored0522 | _Removed0522 | _Cleared0522)
+_MAP_HEADS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])  # msgpack fixmap, map16, map32
 
 
 def decode_sequence(frame: bytes) -> int:
@@ -51,55 +106,48 @@ def decode_sequence(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
-def decode_batch(payload: bytes) -> list[KVEvent]:
+def split_batch(payload: bytes) -> list[msgspec.Raw]:
+    """A batch's events, each still encoded (~1 ms a MiB: one scan, no object per id). Refuses a batch over the
+    caps in bytes or events."""
+    if len(payload) > MAX_BATCH_BYTES:
+        raise MalformedBatch(f"a batch of {len(payload)} bytes (at most {MAX_BATCH_BYTES})")
     try:
-        batch = _decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise MalformedBatch(f"not msgpack: {exc}") from None
-    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
-        raise MalformedBatch("not an event batch [ts, events, ...]")
-    return [_event(raw) for raw in batch[1]]
+        return _batch_decoder.decode(payload).events
+    except Exception as exc:  # msgspec's errors, RecursionError on deep nesting, anything else a payload provokes
+        raise MalformedBatch(f"not an event batch [ts, events, ...]: {type(exc).__name__}") from None
 
 
-def _event(raw: Any) -> KVEvent:
-    kind: Any
-    if isinstance(raw, list) and raw and isinstance(raw[0], str):  # 0.5.8: array-like, tag first
-        kind, fields = raw[0], raw[1:]
-        if kind == "BlockStored" and len(fields) >= 4:
-            return _stored(*fields[:4])
-        if kind == "BlockRemoved" and len(fields) >= 1:
-            return Removed(_ints(fields[0]))
-        if kind == "AllBlocksCleared":
+class EventDecoder:
+    """Decodes a batch's events one at a time (the subscriber hands the loop over between them), keeping the
+    batch's page count under MAX_BATCH_PAGES."""
+
+    __slots__ = ("pages",)
+
+    def __init__(self) -> None:
+        self.pages = 0
+
+    def decode(self, raw: msgspec.Raw) -> KVEvent:
+        try:
+            head = memoryview(raw)[0] if len(raw) else -1
+            decoded = (_map_events if head in _MAP_HEADS else _array_events).decode(raw)
+        except Exception as exc:
+            raise MalformedBatch(f"not a KV event: {type(exc).__name__}: {str(exc)[:120]}") from None
+        if isinstance(decoded, _Cleared058 | _Cleared0522):
             return Cleared()
-    elif isinstance(raw, dict):  # 0.5.22+: tagged maps
-        kind = raw.get("type")
-        if kind == "BlockStored" and all(f in raw or f == "parent_block_hash" for f in _STORED_FIELDS):
-            return _stored(*(raw.get(f) for f in _STORED_FIELDS))
-        if kind == "BlockRemoved" and "block_hashes" in raw:
-            return Removed(_ints(raw["block_hashes"]))
-        if kind == "AllBlocksCleared":
-            return Cleared()
-    raise MalformedBatch(f"not a KV event: {str(raw)[:80]}")
+        self.pages += len(decoded.block_hashes)
+        if self.pages > MAX_BATCH_PAGES:
+            raise MalformedBatch(f"more than {MAX_BATCH_PAGES} pages in one batch")
+        if isinstance(decoded, _Removed058 | _Removed0522):
+            return Removed(decoded.block_hashes)
+        hashes, token_ids, block_size = decoded.block_hashes, decoded.token_ids, decoded.block_size
+        if not hashes:
+            raise MalformedBatch("a BlockStored without pages")
+        if not (len(hashes) - 1) * block_size < len(token_ids) <= len(hashes) * block_size:
+            raise MalformedBatch(f"{len(token_ids)} token ids for {len(hashes)} pages of {block_size}")
+        return Stored(hashes, decoded.parent_block_hash, token_ids, block_size)
 
 
-def _stored(hashes: Any, parent: Any, token_ids: Any, block_size: Any) -> Stored:
-    hashes, token_ids = _ints(hashes), _ints(token_ids)
-    if parent is not None and not _is_int(parent):
-        raise MalformedBatch("parent_block_hash is not an integer")
-    if not _is_int(block_size) or block_size < 1 or not hashes:
-        raise MalformedBatch("block_size is not a positive integer")
-    if not (len(hashes) - 1) * block_size < len(token_ids) <= len(hashes) * block_size:
-        raise MalformedBatch(f"{len(token_ids)} token ids for {len(hashes)} pages of {block_size}")
-    if any(not 0 <= t < 1 << 32 for t in token_ids):
-        raise MalformedBatch("a token id outside 32 bits")
-    return Stored(hashes, parent, token_ids, block_size)
-
-
-def _ints(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(v) for v in value):
-        raise MalformedBatch("expected a list of integers")
-    return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def decode_batch(payload: bytes) -> list[KVEvent]:
+    """A whole batch at once (the subscriber decodes event by event, see EventDecoder)."""
+    decoder = EventDecoder()
+    return [decoder.decode(raw) for raw in split_batch(payload)]

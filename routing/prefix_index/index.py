@@ -7,20 +7,25 @@ request's `extra_key` (0.5.8 `RadixCache._record_store_event` hashes token ids o
 
 - *sent*: the prompts kvgate sent to the worker, keyed per namespace, bounded by the engine's pool. A tenant is only
   ever routed by its own namespace's entries here, never by another tenant's pages.
-- *held*: what the engine itself reports stored and evicted (namespace-blind), from its KV events: a block the
-  engine reports evicted no longer counts until it reports it stored again, so an eviction shows at the next pick.
-  Blocks kvgate just sent count before their BlockStored arrives (events trail the answer by a scheduler step).
+- *held*: what the engine itself reports stored and evicted (namespace-blind), from its KV events. Being blind, an
+  event may only ever lower a namespace's prediction, never raise it: a page the engine reports evicted counts for
+  no namespace that sent it before (the event cannot say whose copy went: with equal prompts in two namespaces it may
+  have been either), until that namespace sends it again; a page reported stored raises nothing (it may be another
+  namespace's copy). Otherwise tenant B's copy of a prefix would keep alive, or revive, the prediction of A's copy
+  the engine evicted, and A could read B's traffic from its own predicted match. Blocks kvgate just sent count before
+  their BlockStored arrives (events trail the answer by a scheduler step).
 
-A block is predicted cached when *sent* has it for the request's namespace and *held* does not report it evicted.
-The mode says how much of the engine's history the events cover: all of it since the engine's cache was last empty
-(*exact*), or not (*partial*: kvgate subscribed late, or lost batches it could not replay, so an eviction of a page
-stored before then cannot be placed and is not seen).
+A block is predicted cached when *sent* has it for the request's namespace and no eviction of it was reported since
+that namespace last sent it (a clock: each record ticks it, each eviction is stamped with it). The mode says how
+much of the engine's history the events cover: all of it since the engine's cache was last empty (*exact*), or not
+(*partial*: kvgate subscribed late, or lost batches it could not replay, so an eviction of a page stored before then
+cannot be placed and is not seen).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from routing.prefix_index.blocks import BLIND_SEED, PromptTokens, block_tokens_for, ids_to_bytes
 
@@ -31,7 +36,7 @@ class CacheMode(enum.Enum):
     EXACT = "exact"  # every event since the engine's cache was empty: sent, and still held by the engine
 
 
-def prefix_depth(keys: list[int], held: Callable[[int], bool]) -> int:
+def prefix_depth(keys: Sequence[int], held: Callable[[int], bool]) -> int:
     """The length of the held prefix of a chain of keys, by galloping then bisecting: O(log n) lookups rather than
     one per block. A chain is held prefix-first (a radix cache evicts leaves first, and a prompt's keys are recorded
     together), so the first key not held ends it."""
@@ -60,26 +65,31 @@ def prefix_depth(keys: list[int], held: Callable[[int], bool]) -> int:
 
 
 class _Generations:
-    """A set bounded to `capacity` keys that forgets the least recently added first, in two halves: adding to the
-    young half, and when it is full the old half is dropped and the young one becomes old. About LRU, at the cost
-    of two set lookups, with no per-key bookkeeping (a key costs one set slot)."""
+    """A map of keys to stamps bounded to `capacity` keys that forgets the least recently added first, in two halves:
+    adding to the young half, and when it is full the old half is dropped and the young one becomes old. About LRU,
+    at the cost of two lookups, with no per-key bookkeeping (a key costs one dict slot; one stamp object per add)."""
 
     __slots__ = ("_half", "_old", "_young")
 
     def __init__(self, capacity: int) -> None:
         self._half = max(1, capacity // 2)
-        self._young: set[int] = set()
-        self._old: set[int] = set()
+        self._young: dict[int, int] = {}
+        self._old: dict[int, int] = {}
 
-    def add(self, keys: list[int]) -> None:
+    def add(self, keys: list[int], stamp: int = 1) -> None:
         for start in range(0, len(keys), self._half):
-            self._young.update(keys[start:start + self._half])
+            self._young.update(dict.fromkeys(keys[start:start + self._half], stamp))
             if len(self._young) >= self._half:
-                self._old, self._young = self._young, set()
+                self._old, self._young = self._young, {}
 
     def discard(self, key: int) -> None:
-        self._young.discard(key)
-        self._old.discard(key)
+        self._young.pop(key, None)
+        self._old.pop(key, None)
+
+    def stamp(self, key: int) -> int:
+        """The stamp `key` was last added with; 0 when it is not held."""
+        stamp = self._young.get(key)
+        return stamp if stamp is not None else self._old.get(key, 0)
 
     def prefix_depth(self, keys: list[int]) -> int:
         """How many of `keys`, from the first, are held (see `prefix_depth`)."""
@@ -97,31 +107,71 @@ class _Generations:
         self._old.clear()
 
 
+class _Evictions:
+    """The index's clock and the blocks (namespace-blind keys) the engine reported evicted, each stamped with the
+    clock when it was. Bounded like `_Generations`; a mark that ages out raises `floor` to it instead of vanishing,
+    so forgetting an eviction lowers every older prediction rather than bringing one back."""
+
+    __slots__ = ("_half", "_old", "_young", "_young_since", "floor", "now")
+
+    def __init__(self, capacity: int) -> None:
+        self._half = max(1, capacity // 2)
+        self._young: dict[int, int] = {}
+        self._old: dict[int, int] = {}
+        self._young_since = 0  # the clock when the young half was started: no mark in the old half is later
+        self.floor = 0  # every sent block stamped at or before it counts as evicted
+        self.now = 0
+
+    def tick(self) -> int:
+        """A new stamp for blocks sent now (later than every eviction reported so far)."""
+        self.now += 1
+        return self.now
+
+    def mark(self, key: int) -> None:
+        self._young[key] = self.now
+        if len(self._young) >= self._half:
+            self.floor = max(self.floor, self._young_since)  # the old half's marks, none later, are dropped
+            self._old, self._young, self._young_since = self._young, {}, self.now
+
+    def lower_all(self) -> None:
+        """Whatever was sent until now counts as evicted (what the engine evicted can no longer be told)."""
+        self.floor = max(self.floor, self.now)
+
+    def at(self, key: int) -> int:
+        """The clock at the block's last reported eviction (or the floor): it counts only if sent after."""
+        stamp = self._young.get(key)
+        if stamp is None:
+            stamp = self._old.get(key, 0)
+        return max(stamp, self.floor)  # a mark older than a floor raised since says less than the floor
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+
 class HeldBlocks:
     """The engine's own report of its cache, rebuilt from BlockStored / BlockRemoved events at kvgate's block size.
 
     An engine page's hash maps to where it ends in kvgate's chain: the key of the last whole block before it and the
     tokens after that block (a page smaller than a block ends mid-block). Reference counts, because equal prompts
-    in two namespaces are two radix nodes with one published hash."""
+    in two namespaces are two radix nodes with one published hash. Evictions go to the index's `_Evictions`, shared
+    by every rank: a removal of any copy marks the block (see the module docstring)."""
 
-    __slots__ = ("_blocks", "_evicted", "_max_pages", "_pages", "block_tokens", "overflows", "unplaced")
+    __slots__ = ("_blocks", "_evictions", "_max_pages", "_pages", "block_tokens", "overflows", "unplaced")
 
-    def __init__(self, block_tokens: int, evicted_capacity: int, *, max_pages: int) -> None:
-        """`max_pages`: more pages than the engine's pool can hold means events were lost (or the engine is
-        broken): the view is dropped rather than grown without bound."""
+    def __init__(self, block_tokens: int, evictions: _Evictions, *, max_pages: int) -> None:
+        """`max_pages`: more pages than the engine's pool can hold (or than the index's bytes allow) means events
+        were lost, or the engine is broken or larger than kvgate was given room for: the view is dropped rather than
+        grown without bound, and every prediction made before it is lowered."""
         self.block_tokens = block_tokens
         self._max_pages = max_pages
         self._pages: dict[int, tuple[int, bytes, int]] = {}  # engine page hash → (block key, tokens after it, refs)
         self._blocks: dict[int, int] = {}  # block key (namespace-blind) → engine pages ending it that are held
-        self._evicted = _Generations(evicted_capacity)  # blocks the engine reported evicted (for partial views)
+        self._evictions = evictions
         self.unplaced = 0  # stored pages whose parent kvgate never saw (history it missed)
         self.overflows = 0  # times the view outgrew the engine's pool and was dropped
 
     def __contains__(self, key: int) -> bool:
         return key in self._blocks
-
-    def evicted(self, key: int) -> bool:
-        return key in self._evicted
 
     @property
     def blocks(self) -> int:
@@ -151,11 +201,13 @@ class HeldBlocks:
             if previous is None and len(self._pages) >= self._max_pages:
                 self.clear()
                 self.overflows += 1
+                # Evictions of the pages it placed can no longer be seen: every block sent until now stops counting
+                # (never leaves one counting that the engine may have evicted meanwhile).
+                self._evictions.lower_all()
                 return False
             self._pages[page_hash] = (key, tail, (previous[2] if previous else 0) + 1)
-            if ends_block and not tail:
+            if ends_block and not tail:  # never clears an eviction mark: the copy stored may be another namespace's
                 self._blocks[key] = self._blocks.get(key, 0) + 1
-                self._evicted.discard(key)
         return True
 
     def remove(self, block_hashes: list[int]) -> None:
@@ -168,57 +220,69 @@ class HeldBlocks:
                 self._pages[page_hash] = (key, tail, refs - 1)
             else:
                 del self._pages[page_hash]
-            if not tail:  # the page ended a block: one holder of that block fewer
+            if not tail:  # the page ended a block: one copy fewer, whose namespace the event does not say
+                self._evictions.mark(key)
                 left = self._blocks.get(key, 0) - 1
                 if left > 0:
                     self._blocks[key] = left
-                elif self._blocks.pop(key, None) is not None:
-                    self._evicted.add([key])
+                else:
+                    self._blocks.pop(key, None)
 
     def clear(self) -> None:
+        """Forget the placement of pages (the eviction marks stay: they only ever lower a prediction)."""
         self._pages.clear()
         self._blocks.clear()
-        self._evicted.clear()
+
+
+DEFAULT_INDEX_BYTES = 1 << 30  # routing.cache_aware_index_bytes
+PAGE_BYTES = 256  # what one engine page held costs a view (measured: ~245 B at page size 1 and 16, CPython 3.11)
+KEY_BYTES = 96  # what one block key costs the sent view or the eviction marks (a dict slot and a 64-bit int)
 
 
 class CacheIndex:
     """What kvgate knows of one prefill's radix cache (see the module docstring). `ranks` holds one engine view per
-    data-parallel rank publishing events (each rank has its own radix cache): a block is held if any rank holds it."""
+    data-parallel rank publishing events (each rank has its own radix cache): an eviction on any rank lowers.
 
-    def __init__(self, *, page_size: int, capacity_tokens: int) -> None:
+    Bounded by the engine's pool (its claim) and by `max_bytes`, whichever is less: an eighth of it each for the
+    sent keys and the eviction marks, the rest for the engine views, shared by the ranks."""
+
+    def __init__(self, *, page_size: int, capacity_tokens: int, max_bytes: int = DEFAULT_INDEX_BYTES) -> None:
         self.page_size = max(1, page_size)
         self.block_tokens = block_tokens_for(self.page_size)
-        self.capacity_blocks = max(1, capacity_tokens // self.block_tokens)
-        self._sent = _Generations(self.capacity_blocks)
+        self.pool_blocks = max(1, capacity_tokens // self.block_tokens)
+        self.capacity_blocks = min(self.pool_blocks, max(1, max_bytes // 8 // KEY_BYTES))
+        self._view_bytes = max_bytes - 2 * (max_bytes // 8)
+        self._sent = _Generations(self.capacity_blocks)  # namespaced key → the clock when last sent
+        self._evictions = _Evictions(self.capacity_blocks)
         self.ranks: list[HeldBlocks] = []
         self.mode = CacheMode.APPROXIMATE
+        self.events_refused: str | None = None  # why the engine's KV events are not followed (None: they are)
 
-    def engine_view(self) -> HeldBlocks:
-        """A new view of one publishing rank's cache (the KV-event subscriber fills it)."""
-        # Twice the pool in pages: equal prompts of several namespaces share page hashes (counted once here).
-        view = HeldBlocks(self.block_tokens, self.capacity_blocks,
-                          max_pages=2 * self.capacity_blocks * self.block_tokens // self.page_size)
+    def engine_view(self, *, of_ranks: int = 1) -> HeldBlocks:
+        """A new view of one publishing rank's cache (the KV-event subscriber fills it), one of `of_ranks`."""
+        # Twice the pool in pages (a margin for events that trail: hashes shared by namespaces count once here),
+        # and never more than the rank's share of the bytes.
+        pool_pages = 2 * self.pool_blocks * self.block_tokens // self.page_size
+        view = HeldBlocks(self.block_tokens, self._evictions,
+                          max_pages=max(1, min(pool_pages, self._view_bytes // max(1, of_ranks) // PAGE_BYTES)))
         self.ranks.append(view)
         return view
 
     def match(self, prompt: PromptTokens) -> int:
         """Tokens of the prompt's prefix predicted to be in the engine's cache, for the prompt's namespace."""
-        depth = self._sent.prefix_depth(prompt.keys(self.block_tokens))
-        if depth and self.mode is not CacheMode.APPROXIMATE and self.ranks:
-            depth = self._still_held(prompt, depth)
-        return depth * self.block_tokens
-
-    def _still_held(self, prompt: PromptTokens, depth: int) -> int:
-        """Of the first `depth` blocks, those before the first one the engine reported evicted (and holds in no
-        data-parallel rank)."""
-        blind = prompt.keys(self.block_tokens, namespaced=False)[:depth]
-        ranks = self.ranks
-        return prefix_depth(blind, lambda key: not any(rank.evicted(key) for rank in ranks)
-                            or any(key in rank for rank in ranks))
+        keys = prompt.keys(self.block_tokens)
+        if not keys or not self._sent.stamp(keys[0]):
+            return 0
+        if self.mode is CacheMode.APPROXIMATE or not self.ranks:
+            return self._sent.prefix_depth(keys) * self.block_tokens
+        # Sent by this namespace after the engine last reported the block evicted (from any copy, on any rank).
+        blind = prompt.keys(self.block_tokens, namespaced=False)
+        sent, evicted = self._sent.stamp, self._evictions.at
+        return prefix_depth(range(len(keys)), lambda i: sent(keys[i]) > evicted(blind[i])) * self.block_tokens
 
     def record(self, prompt: PromptTokens) -> None:
         """The prompt was sent to this worker: its prefill will hold the prompt's blocks in its namespace."""
-        self._sent.add(prompt.keys(self.block_tokens))
+        self._sent.add(prompt.keys(self.block_tokens), self._evictions.tick())
 
     def forget_sent(self) -> None:
         """The engine's cache is empty (a restart, a flush): nothing kvgate sent before is there any more."""
@@ -236,3 +300,7 @@ class CacheIndex:
     @property
     def held_blocks(self) -> int:
         return sum(rank.blocks for rank in self.ranks)
+
+    @property
+    def view_overflows(self) -> int:
+        return sum(rank.overflows for rank in self.ranks)

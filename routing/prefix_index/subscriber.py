@@ -10,7 +10,8 @@ Each gateway replica subscribes itself: the engine's report needs no shared stat
 - liveness: the SUB connection (ZMQ's socket monitor) and, with a replay socket, a replay request every
   `liveness_s` for the batches after the last one seen (which also fetches any tail a dropped message hid). A
   publisher that is down or does not answer puts the worker's index back to approximate mode until it does.
-Malformed batches are counted and skipped; nothing an engine sends can stop the subscriber.
+Malformed batches (or batches over the caps in events.py) are counted and skipped as a batch lost; nothing an
+engine sends can stop the subscriber or hold the event loop (a batch is applied in slices).
 """
 
 from __future__ import annotations
@@ -27,13 +28,40 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from routing.prefix_index.events import Cleared, MalformedBatch, Removed, Stored, decode_batch, decode_sequence
+from routing.prefix_index.events import (
+    MAX_BATCH_BYTES,
+    Cleared,
+    EventDecoder,
+    MalformedBatch,
+    Removed,
+    Stored,
+    decode_sequence,
+    split_batch,
+)
 from routing.prefix_index.index import CacheIndex, CacheMode, HeldBlocks
 
 log = logging.getLogger("kvgate.kv_events")
 
 _END = -1
-_YIELD_EVERY = 256  # events applied between two hand-overs to the event loop
+# Work between two hand-overs to the event loop (a few ms at most): events decoded and pages applied.
+_APPLY_YIELD_PAGES = 2048
+# The most of one frame a socket takes (ZMQ_MAXMSGSIZE: a larger one disconnects the peer, so it is never read;
+# the batch is a gap, replayed if it can be) and the batches it queues before dropping (ZMQ_RCVHWM: a drop is a
+# gap too): at most 64 x 16 MiB queued per rank, where a real stream's batches are ~1.5 MiB at most.
+_MAX_FRAME_BYTES = MAX_BATCH_BYTES + 4096
+_RECEIVE_HWM = 64
+# Publishers one subscriber follows (SGLang: one per attention data-parallel rank). Large expert-parallel prefills
+# run dp-attention over up to a few nodes (8-32 ranks); each rank costs ~4 sockets and ~5 file descriptors here,
+# so an engine claiming more (its /server_info's dp_size) is refused rather than followed.
+MAX_EVENT_RANKS = 64
+_SOCKETS_PER_RANK = 4  # the SUB, its monitor's two ends (one inside libzmq), a replay's DEALER
+
+
+def _bounded(socket: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME_BYTES)
+    socket.setsockopt(zmq.RCVHWM, _RECEIVE_HWM)
+    return socket
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,45 +125,69 @@ class KvEventSubscriber:
         self.name = name  # the worker, for the log
         self.index = index
         self.stats = SubscriberStats()
+        if len(endpoints) > MAX_EVENT_RANKS:
+            raise ValueError(f"{len(endpoints)} KV event publishers (data-parallel ranks); at most {MAX_EVENT_RANKS}")
         self._liveness_s = liveness_s
         self._on_mode = on_mode
-        self._ctx = zmq.asyncio.Context.instance()
-        self._ranks = [_Rank(endpoint, index.engine_view()) for endpoint in endpoints]
+        # A context of its own, its socket count bounded to what its ranks need: one engine's claims cannot use up
+        # the sockets of every other worker's subscriber (pyzmq's shared context holds 1,023 in all).
+        self._ctx = zmq.asyncio.Context(io_threads=1)
+        self._ctx.set(zmq.MAX_SOCKETS, _SOCKETS_PER_RANK * len(endpoints) + 4)
+        self._ranks = [_Rank(endpoint, index.engine_view(of_ranks=len(endpoints))) for endpoint in endpoints]
         self._mode_logged: CacheMode | None = None
+        self._closed = False
 
     def start(self) -> None:
+        """Subscribe to every rank; on any failure (a bad endpoint, no sockets or file descriptors left) nothing
+        opened stays open, and the error is raised."""
         loop = asyncio.get_running_loop()
-        for rank in self._ranks:
-            sub = self._ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.SUBSCRIBE, rank.endpoint.topic.encode())
-            # A monitor address of its own: pyzmq's default names it by the socket's fd, which a socket closed a
-            # moment ago may still hold (the reaper frees it later), so a new subscriber would hear no CONNECTED.
-            address = f"inproc://kvgate-kv-monitor-{next(_MONITOR_IDS)}"
-            sub.monitor(address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            monitor = self._ctx.socket(zmq.PAIR)
-            monitor.setsockopt(zmq.LINGER, 0)
-            monitor.connect(address)
-            sub.connect(rank.endpoint.endpoint)
-            rank.sockets = [sub, monitor]
-            rank.tasks = [loop.create_task(self._receive(rank, sub), name=f"kvgate-kv-events-{self.name}"),
-                          loop.create_task(self._watch_connection(rank, monitor),
-                                           name=f"kvgate-kv-monitor-{self.name}")]
-            if rank.endpoint.replay_endpoint:
-                rank.tasks.append(loop.create_task(self._probe(rank), name=f"kvgate-kv-probe-{self.name}"))
+        try:
+            for rank in self._ranks:
+                sub = _bounded(self._ctx.socket(zmq.SUB))
+                rank.sockets = [sub]
+                sub.setsockopt(zmq.SUBSCRIBE, rank.endpoint.topic.encode())
+                # A monitor address of its own: pyzmq's default names it by the socket's fd, which a socket closed a
+                # moment ago may still hold (the reaper frees it later), so a new subscriber would hear no CONNECTED.
+                address = f"inproc://kvgate-kv-monitor-{next(_MONITOR_IDS)}"
+                sub.monitor(address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                monitor = self._ctx.socket(zmq.PAIR)
+                rank.sockets.append(monitor)
+                monitor.setsockopt(zmq.LINGER, 0)
+                monitor.connect(address)
+                sub.connect(rank.endpoint.endpoint)
+                rank.tasks = [loop.create_task(self._receive(rank, sub), name=f"kvgate-kv-events-{self.name}"),
+                              loop.create_task(self._watch_connection(rank, monitor),
+                                               name=f"kvgate-kv-monitor-{self.name}")]
+                if rank.endpoint.replay_endpoint:
+                    rank.tasks.append(loop.create_task(self._probe(rank), name=f"kvgate-kv-probe-{self.name}"))
+        except BaseException:
+            for rank in self._ranks:
+                for task in rank.tasks:
+                    task.cancel()  # not started yet: each ends at its first step, holding nothing
+                rank.tasks = []
+            self._close()
+            raise
 
     async def stop(self) -> None:
         tasks = [task for rank in self._ranks for task in rank.tasks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._close()
+
+    def _close(self) -> None:
+        """Every socket closed, the context ended, the views out of the index."""
         for rank in self._ranks:
+            rank.tasks = []
             if rank.sockets:
                 with contextlib.suppress(zmq.ZMQError):
                     rank.sockets[0].disable_monitor()
             for socket in reversed(rank.sockets):
                 socket.close(linger=0)
             rank.sockets = []
+        if not self._closed:
+            self._closed = True
+            self._ctx.destroy(linger=0)  # any socket a replay left (closed in its finally) and the IO thread
         self.index.ranks = [view for view in self.index.ranks if all(view is not r.view for r in self._ranks)]
         self.index.mode = CacheMode.APPROXIMATE
 
@@ -212,33 +264,61 @@ class KvEventSubscriber:
         await self._apply(rank, seq, frames[2])
         self._update_mode()
 
-    async def _apply(self, rank: _Rank, seq: int, payload: bytes, *, history: bool = False) -> None:
+    async def _apply(self, rank: _Rank, seq: int, payload: bytes, *, history: bool = False) -> bool:
         """One batch into the rank's view. `history`: a batch from before this subscription's first live one, older
-        than anything kvgate sent since (a cache cleared back then says nothing of those prompts)."""
+        than anything kvgate sent since (a cache cleared back then says nothing of those prompts). False when the
+        batch was refused (malformed, or over the caps in events.py), from its first bad event on: a batch lost, as
+        a gap that could not be replayed. The view goes on, partial from here (the events it did apply were
+        well-formed, and an event only ever lowers a prediction, so stopping part-way is no worse than skipping).
+
+        One pass, event by event, a coalesced node in slices of pages, handing the loop over every few ms: the
+        largest batch the caps allow never holds the loop, and no decoded event outlives its application (a batch
+        kept whole would be ~1M tracked objects for the garbage collector's full passes to walk)."""
         rank.next_seq = seq + 1
         rank.reconnected = False
         self.stats.batches += 1
-        try:
-            events = decode_batch(payload)
-        except MalformedBatch as exc:
-            self.stats.malformed += 1
-            log.debug("KV events of %s: batch %d skipped: %s", self.name, seq, exc)
-            return
         view = rank.view
         overflows = view.overflows
-        for count, event in enumerate(events, 1):
-            if isinstance(event, Stored):
-                view.store(event.block_hashes, event.parent, event.token_ids, event.page_size)
-            elif isinstance(event, Removed):
-                view.remove(event.block_hashes)
-            elif isinstance(event, Cleared):
-                self._engine_emptied(forget_sent=not history)
-                rank.complete = True
-            if count % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)
-        if view.overflows != overflows:  # the view was dropped: what it held before is unknown from here on
+        decoder = EventDecoder()
+        work = 0
+        try:
+            for raw in split_batch(payload):
+                event = decoder.decode(raw)
+                work += 1
+                if isinstance(event, Stored):
+                    hashes, ids, size, parent = event.block_hashes, event.token_ids, event.page_size, event.parent
+                    for start in range(0, len(hashes), _APPLY_YIELD_PAGES):  # a coalesced node: a slice at a time
+                        chunk = hashes[start:start + _APPLY_YIELD_PAGES]
+                        view.store(chunk, parent, ids[start * size:(start + len(chunk)) * size], size)
+                        parent = chunk[-1]
+                        work += len(chunk)
+                        if work >= _APPLY_YIELD_PAGES:
+                            work = 0
+                            await asyncio.sleep(0)
+                elif isinstance(event, Removed):
+                    hashes = event.block_hashes
+                    for start in range(0, len(hashes), _APPLY_YIELD_PAGES):
+                        view.remove(hashes[start:start + _APPLY_YIELD_PAGES])
+                        work += min(_APPLY_YIELD_PAGES, len(hashes) - start)
+                        if work >= _APPLY_YIELD_PAGES:
+                            work = 0
+                            await asyncio.sleep(0)
+                elif isinstance(event, Cleared):
+                    self._engine_emptied(forget_sent=not history)
+                    rank.complete = True
+                if work >= _APPLY_YIELD_PAGES:
+                    work = 0
+                    await asyncio.sleep(0)
+        except MalformedBatch as exc:
+            self.stats.malformed += 1
             rank.complete = False
-            log.warning("KV events of %s: more pages stored than the pool holds; view dropped", self.name)
+            log.debug("KV events of %s: batch %d refused: %s", self.name, seq, exc)
+            return False
+        finally:
+            if view.overflows != overflows:  # the view was dropped: what it held before is unknown from here on
+                rank.complete = False
+                log.warning("KV events of %s: more pages stored than the pool holds; view dropped", self.name)
+        return True
 
     def _engine_emptied(self, *, forget_sent: bool = True) -> None:
         for rank in self._ranks:  # a flush or a restart empties every rank's cache
@@ -253,8 +333,7 @@ class KvEventSubscriber:
         replay = rank.endpoint.replay_endpoint
         if replay is None:
             return False
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = _bounded(self._ctx.socket(zmq.DEALER))
         dealer.connect(replay)
         topic = rank.endpoint.topic.encode()
         expected = start
@@ -278,7 +357,7 @@ class KvEventSubscriber:
                     continue
                 if seq > expected:
                     complete = False  # the buffer no longer holds what came between
-                await self._apply(rank, seq, frames[-1], history=history)
+                complete = await self._apply(rank, seq, frames[-1], history=history) and complete
                 expected = seq + 1
             rank.answering = True
             return complete and (stop is None or expected == stop)
@@ -293,14 +372,21 @@ class KvEventSubscriber:
         stream's end? Before any batch arrived, everything it still buffers is asked for: a publisher whose buffer
         starts at sequence 0 (or is empty) has told kvgate its whole history."""
         while True:
-            async with rank.lock:
-                first = rank.next_seq is None
-                ok = await self._replay(rank, rank.next_seq or 0, None, history=first)
-                if first and rank.answering:
-                    rank.complete = ok
-                elif not ok and rank.answering:
-                    self.stats.gaps_lost += 1
-                    rank.complete = False
+            try:
+                async with rank.lock:
+                    first = rank.next_seq is None
+                    ok = await self._replay(rank, rank.next_seq or 0, None, history=first)
+                    if first and rank.answering:
+                        rank.complete = ok
+                    elif not ok and rank.answering:
+                        self.stats.gaps_lost += 1
+                        rank.complete = False
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # whatever a replay sent, the probe goes on (a dead probe is a liveness check lost)
+                self.stats.malformed += 1
+                rank.complete = False
+                log.exception("KV events of %s: a replay could not be applied", self.name)
             self._update_mode()
             await asyncio.sleep(self._liveness_s)
 

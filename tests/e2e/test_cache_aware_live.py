@@ -139,6 +139,18 @@ def test_a_cache_salt_never_routes_by_another_namespaces_pages_and_cache_aware_t
         assert 0 < predicted_for(gateway, conversation(4, 2)) <= 64
 
 
+def test_cache_aware_index_bytes_bounds_each_prefills_views_below_what_its_pool_claims(
+        engines: tuple[list[RunningEngine], RunningEngine], tmp_path: Path) -> None:
+    with gateway_for(engines, tmp_path, routing={"cache_aware_index_bytes": 1 << 20}) as gateway:
+        assert wait_for(lambda: modes(gateway) == [CacheMode.EXACT] * 2, timeout_s=10)
+        chat(gateway, conversation(5, 1))
+        assert predicted_for(gateway, conversation(5, 2)) > 0
+        for worker in gateway.gateway.models["glm-5"].pool.prefill:
+            assert worker.cache_index is not None
+            # 40,000 pool tokens at page size 1 would allow 80,000 pages a view; 3/4 MiB at 256 B a page: 3,072.
+            assert [view._max_pages for view in worker.cache_index.ranks] == [3072]
+
+
 def test_configured_kv_events_endpoints_are_the_ones_subscribed(
         engines: tuple[list[RunningEngine], RunningEngine], tmp_path: Path) -> None:
     prefills, _ = engines
@@ -149,3 +161,14 @@ def test_configured_kv_events_endpoints_are_the_ones_subscribed(
     with gateway_for(engines, tmp_path, prefill=configured) as gateway:
         # The second is discovered from its /server_info; the first listens where nothing publishes.
         assert wait_for(lambda: modes(gateway) == [CacheMode.APPROXIMATE, CacheMode.EXACT], timeout_s=10)
+
+
+def test_overlong_input_ids_with_bad_values_are_refused_by_their_length_not_with_a_500(
+        engines: tuple[list[RunningEngine], RunningEngine], tmp_path: Path) -> None:
+    with gateway_for(engines, tmp_path) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
+        body = {"sampling_params": {"max_new_tokens": 1}}
+        for bad in (-1, 2**40, "x", 1.5):
+            overlong = client.post("/generate", json={"input_ids": [bad] + [9703] * 9000, **body})
+            assert overlong.status_code == 413, overlong.text  # as without cache_aware: the length decides first
+            within = client.post("/generate", json={"input_ids": [bad] + [9703] * 100, **body})
+            assert within.status_code == 400, within.text

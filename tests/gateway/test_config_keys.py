@@ -69,6 +69,7 @@ KEY_TESTS = {
     "models.routing.load_poll_s": "tests/e2e/test_routing_live.py::test_power_of_two_reads_engine_loads",
     "models.routing.retries": "tests/e2e/test_routing_live.py::test_a_refused_connection_is_retried_on_another_pair_and_a_dead_worker_leaves_rotation",
     "models.routing.cache_aware_tokens": "tests/e2e/test_cache_aware_live.py::test_a_cache_salt_never_routes_by_another_namespaces_pages_and_cache_aware_tokens_bounds_the_match",
+    "models.routing.cache_aware_index_bytes": "tests/e2e/test_cache_aware_live.py::test_cache_aware_index_bytes_bounds_each_prefills_views_below_what_its_pool_claims",
     "models.routing.kv_events": "tests/e2e/test_cache_aware_live.py::test_an_eviction_the_engine_reports_shows_at_the_next_pick_and_kv_events_off_does_not_see_it",
     "models.prefill.kv_events.endpoint": "tests/e2e/test_cache_aware_live.py::test_configured_kv_events_endpoints_are_the_ones_subscribed",
     "models.prefill.kv_events.replay_endpoint": "tests/routing/prefix_index/test_kv_events.py::test_a_gap_is_replayed_and_a_malformed_batch_is_counted_and_skipped",

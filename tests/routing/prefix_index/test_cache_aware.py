@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import tracemalloc
 
 import msgspec
 import pytest
@@ -17,8 +18,17 @@ from routing.policies.kv_headroom import KvHeadroom
 from routing.pools import Lease, WorkerPair
 from routing.prefix_index import CacheIndex, CacheMode, PromptTokens
 from routing.prefix_index.blocks import block_tokens_for, ids_to_bytes
-from routing.prefix_index.events import Cleared, MalformedBatch, Removed, Stored, decode_batch
-from routing.prefix_index.index import _Generations, prefix_depth
+from routing.prefix_index.events import (
+    MAX_BATCH_BYTES,
+    MAX_BATCH_EVENTS,
+    MAX_BATCH_PAGES,
+    Cleared,
+    MalformedBatch,
+    Removed,
+    Stored,
+    decode_batch,
+)
+from routing.prefix_index.index import KEY_BYTES, PAGE_BYTES, _Generations, prefix_depth
 from routing.prefix_index.subscriber import connectable
 from routing.workers import Worker, WorkerSpec
 
@@ -96,7 +106,7 @@ def test_held_blocks_follow_the_engines_store_and_remove_events_in_exact_mode() 
     assert index.match(prompt(ids)) == 288
 
 
-def test_held_blocks_place_page_by_page_events_and_count_equal_prompts_of_two_namespaces_twice() -> None:
+def test_held_blocks_place_page_by_page_events_and_an_eviction_of_either_namespaces_copy_lowers_both() -> None:
     index = CacheIndex(page_size=1, capacity_tokens=100_000)
     rank = index.engine_view()
     ids = list(range(50, 150))
@@ -108,12 +118,56 @@ def test_held_blocks_place_page_by_page_events_and_count_equal_prompts_of_two_na
             parent = page_hash
         index.record(prompt(ids, namespace))
     index.mode = CacheMode.EXACT
-    rank.remove(hashes)  # namespace a's copy evicted: b's is still held
-    assert index.match(prompt(ids, "b")) == 96
+    assert index.match(prompt(ids, "a")) == index.match(prompt(ids, "b")) == 96
+    assert index.held_blocks == 3
+    rank.remove(hashes)  # one copy evicted, a's or b's: the event cannot say, so neither counts any more
+    assert index.match(prompt(ids, "a")) == index.match(prompt(ids, "b")) == 0
+    assert index.held_blocks == 3  # the other copy is still placed (a later removal of it is understood)
+    index.record(prompt(ids, "b"))  # b sends it again: b's own prediction comes back, a's does not
+    assert index.match(prompt(ids, "b")) == 96 and index.match(prompt(ids, "a")) == 0
     rank.remove(hashes)
-    assert index.match(prompt(ids, "b")) == 0
+    assert index.held_blocks == 0 and index.match(prompt(ids, "b")) == 0
     assert not rank.store([123], 999, [1], 1)  # a parent never seen: not placed, counted
     assert rank.unplaced == 1
+
+
+def test_another_namespaces_copy_stored_after_an_eviction_never_revives_a_prediction() -> None:
+    """The cross-tenant oracle: A's copy of a prefix is evicted; B then sends the same prefix (its copy's
+    BlockStored carries the same blind hashes). A's predicted match (on /metrics, and in its latency) must not
+    tell whether B did."""
+    ids = list(range(200, 520))
+    hashes = sglang_page_hashes(ids, 16)
+    seen = []
+    for b_sends in (False, True):
+        index = CacheIndex(page_size=16, capacity_tokens=100_000)
+        rank = index.engine_view()
+        index.mode = CacheMode.EXACT
+        index.record(prompt(ids, "a"))
+        rank.store(hashes, None, ids, 16)  # A's copy
+        rank.remove(hashes)  # ... evicted
+        if b_sends:
+            index.record(prompt(ids, "b"))
+            rank.store(hashes, None, ids, 16)  # B's copy: the same published hashes
+        seen.append(index.match(prompt(ids, "a")))
+    assert seen == [0, 0]
+
+
+def test_a_forgotten_eviction_lowers_every_older_prediction_instead_of_reviving_it() -> None:
+    index = CacheIndex(page_size=32, capacity_tokens=32 * 10)  # room for 10 eviction marks, in two halves
+    rank = index.engine_view()
+    index.mode = CacheMode.EXACT
+    ids = list(range(1000, 1097))  # 3 blocks of 32
+    hashes = sglang_page_hashes(ids[:96], 32)
+    index.record(prompt(ids, "a"))
+    rank.store(hashes, None, ids[:96], 32)
+    rank.remove(hashes[2:])
+    assert index.match(prompt(ids, "a")) == 64
+    for page in range(20):  # others' churn pushes that mark out of the bounded view
+        rank.store([10_000 + page], None, list(range(page, page + 32)), 32)
+        rank.remove([10_000 + page])
+    assert index.match(prompt(ids, "a")) <= 64  # never back to 96
+    index.record(prompt(ids, "a"))  # a sends it again: its own prediction is back
+    assert index.match(prompt(ids, "a")) == 96
 
 
 # ── events on the wire ────────────────────────────────────────────────────────────────────────────────────────
@@ -133,10 +187,23 @@ def test_both_sglang_event_shapes_decode_alike() -> None:
                                      msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1, 2, 3], 1, None]]]),
                                      msgspec.msgpack.encode([1.0, [["BlockStored", [1], "x", [1], 1, None]]]),
                                      msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [-1], 1, None]]]),
-                                     msgspec.msgpack.encode([1.0, [{"type": "Evicted"}]])])
+                                     msgspec.msgpack.encode([1.0, [{"type": "Evicted"}]]),
+                                     b"\x91" * 100_000 + b"\x01"])  # nested past the recursion limit
 def test_malformed_batches_are_refused_whole(payload: bytes) -> None:
     with pytest.raises(MalformedBatch):
         decode_batch(payload)
+
+
+@pytest.mark.parametrize("events", [[["AllBlocksCleared"]] * (MAX_BATCH_EVENTS + 1),
+                                    [["BlockRemoved", [1] * (MAX_BATCH_PAGES + 1)]],
+                                    [["BlockRemoved", [1] * (MAX_BATCH_PAGES // 2 + 1)]] * 2,
+                                    [["BlockRemoved", [1] * (MAX_BATCH_BYTES // 9)]],
+                                    [["BlockRemoved", [2**62] * (MAX_BATCH_BYTES // 9 + 1)]]])
+def test_batches_over_the_caps_are_refused(events: list[object]) -> None:
+    """More events, or page hashes, than a scheduler step of a real engine publishes, or more bytes than the
+    subscriber's sockets take."""
+    with pytest.raises(MalformedBatch):
+        decode_batch(msgspec.msgpack.encode([0.0, events]))
 
 
 def test_an_engines_wildcard_bind_address_becomes_the_workers_host_with_the_ranks_port() -> None:
@@ -231,6 +298,47 @@ def test_prefix_depth_gallops_to_the_same_answer_as_a_scan() -> None:
 def test_an_engine_reporting_more_pages_than_its_pool_holds_cannot_grow_the_view_without_bound() -> None:
     index = CacheIndex(page_size=32, capacity_tokens=3200)  # 100 blocks of 32: at most 200 pages held
     rank = index.engine_view()
+    index.mode = CacheMode.EXACT
+    sent = list(range(5000, 5097))
+    index.record(prompt(sent))
+    assert index.match(prompt(sent)) == 96
     for page in range(1000):
         rank.store([page], None, list(range(32)), 32)
     assert rank.overflows >= 4 and rank.blocks <= 200
+    assert index.match(prompt(sent)) == 0  # its evictions could no longer be placed: it stops counting
+    index.record(prompt(sent))
+    assert index.match(prompt(sent)) == 96
+
+
+def test_a_claimed_pool_of_10_12_tokens_is_bounded_by_the_index_bytes_shared_by_the_ranks() -> None:
+    budget = 8 << 20
+    index = CacheIndex(page_size=1, capacity_tokens=10**12, max_bytes=budget)
+    views = [index.engine_view(of_ranks=2) for _ in range(2)]
+    assert index.capacity_blocks * KEY_BYTES <= budget // 8  # the sent keys and the eviction marks: an eighth each
+    tracemalloc.start()
+    try:
+        parent = None
+        for page in range(budget // PAGE_BYTES):  # more pages than the whole budget holds, into one rank's view
+            views[0].store([page], parent, [page % 50_000], 1)
+            parent = page
+            peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert views[0].overflows >= 1  # dropped at its share, not grown
+    assert peak <= (budget - 2 * (budget // 8)) // 2 * 1.2, peak  # its share of the rest: half, with a margin
+
+
+def test_a_dropped_view_lowers_even_blocks_whose_own_eviction_mark_is_older() -> None:
+    index = CacheIndex(page_size=32, capacity_tokens=3200)  # at most 200 pages held
+    rank = index.engine_view()
+    index.mode = CacheMode.EXACT
+    ids = list(range(5000, 5097))
+    hashes = sglang_page_hashes(ids[:96], 32)
+    index.record(prompt(ids))
+    rank.store(hashes, None, ids[:96], 32)
+    rank.remove(hashes[:1])  # the first block's eviction: marked
+    index.record(prompt(ids))  # sent again since: counts again
+    assert index.match(prompt(ids)) == 96
+    for page in range(300):  # the view is dropped: every block sent until now stops counting
+        rank.store([page], None, list(range(32)), 32)
+    assert rank.overflows >= 1 and index.match(prompt(ids)) == 0

@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -93,10 +94,10 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
 
 
 @asynccontextmanager
-async def wired() -> AsyncIterator[tuple[Publisher, KvEventSubscriber, CacheIndex, tuple[int, int]]]:
+async def wired(page_size: int = 16) -> AsyncIterator[tuple[Publisher, KvEventSubscriber, CacheIndex, tuple[int, int]]]:
     ports = free_port(), free_port()
     publisher = Publisher(*ports)
-    index = CacheIndex(page_size=16, capacity_tokens=1_000_000)
+    index = CacheIndex(page_size=page_size, capacity_tokens=1_000_000)
     subscriber = KvEventSubscriber("test", index, [EventsEndpoint(f"tcp://127.0.0.1:{ports[0]}",
                                                                   f"tcp://127.0.0.1:{ports[1]}")],
                                    liveness_s=LIVENESS_S)
@@ -147,8 +148,60 @@ async def _test_a_gap_is_replayed_and_a_malformed_batch_is_counted_and_skipped(w
     await publisher.publish(stored(A[160:], 110, parent=109), send=False)  # lost on the way
     await publisher.publish([], payload=b"\xc1 not msgpack")
     await until(lambda: subscriber.stats.malformed == 1)
-    assert subscriber.stats.gaps_replayed == 1 and subscriber.mode is CacheMode.EXACT
+    assert subscriber.stats.gaps_replayed == 1
     assert index.match(prompt(A)) == 288  # the replayed batch is in
+    assert subscriber.mode is CacheMode.PARTIAL  # a batch skipped is a batch lost: whatever it held is not seen
+
+
+class LoopLag:
+    """The longest the event loop went without running a 1 ms ticker."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(0.001)
+            self.worst = max(self.worst, loop.time() - before - 0.001)
+
+    async def stop(self) -> float:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        return self.worst
+
+
+@pytest.mark.long_running(seconds=8)
+def test_huge_batches_never_stall_the_event_loop() -> None:
+    async def scenario() -> None:
+        async with wired(page_size=1) as setup:
+            await _test_huge_batches_never_stall_the_event_loop(setup)
+
+    asyncio.run(scenario())
+
+
+async def _test_huge_batches_never_stall_the_event_loop(wired: Wired) -> None:
+    publisher, subscriber, index, _ = wired
+    # Encoded before the loop is measured: the publisher shares the loop with the subscriber here.
+    pages = [["BlockStored", [1 << 40 | i], (1 << 40 | i - 1) if i else None, [i % 50_000], 1, None]
+             for i in range(300_000)]  # a legal batch, under every cap: 300,000 pages, one event each, ~8 MiB
+    legal = msgspec.msgpack.encode([0.0, pages])
+    bad_last = msgspec.msgpack.encode([0.0, [["BlockRemoved", [7]]] * 1_000_000 + [["Evicted"]]])  # ~15 MiB
+    removed = msgspec.msgpack.encode([0.0, [["BlockRemoved", [i % 100 for i in range(10_000_000)]]]])  # 10 MiB
+    del pages
+    lag = LoopLag()
+    await publisher.publish([], payload=legal)
+    await until(lambda: index.held_blocks == 300_000 // 32, timeout_s=60)
+    await publisher.publish([], payload=bad_last)
+    await publisher.publish([], payload=removed)
+    await until(lambda: subscriber.stats.malformed == 2, timeout_s=30)
+    worst = await lag.stop()
+    assert index.held_blocks == 300_000 // 32  # neither refused batch removed a thing
+    assert subscriber.mode is CacheMode.PARTIAL
+    # Without the slices: seconds. A shared 2-core machine accounts for the margin.
+    assert worst < 0.25, worst
 
 
 def test_a_tail_lost_without_a_later_batch_is_fetched_by_the_liveness_probe() -> None:
@@ -161,6 +214,20 @@ async def _test_a_tail_lost_without_a_later_batch_is_fetched_by_the_liveness_pro
     await publisher.publish(stored(A[:160], 100))
     await publisher.publish(stored(A[160:], 110, parent=109), send=False)
     await until(lambda: index.held_blocks == 10, timeout_s=3 * LIVENESS_S + 2)
+
+
+def test_a_deeply_nested_replayed_batch_is_malformed_and_the_probe_lives_on() -> None:
+    asyncio.run(_in_wired(_test_a_deeply_nested_replayed_batch_is_malformed_and_the_probe_lives_on))
+
+
+async def _test_a_deeply_nested_replayed_batch_is_malformed_and_the_probe_lives_on(wired: Wired) -> None:
+    publisher, subscriber, index, _ = wired
+    # 100,000 nested arrays: msgpack's decoder raises RecursionError. Only the replay (the liveness probe) sees it.
+    await publisher.publish([], send=False, payload=b"\x91" * 100_000 + b"\x01")
+    await until(lambda: subscriber.stats.malformed == 1, timeout_s=3 * LIVENESS_S + 2)
+    await publisher.publish(stored(A, 100), send=False)  # a tail only the next probe can fetch
+    await until(lambda: index.held_blocks == 10, timeout_s=3 * LIVENESS_S + 2)
+    assert all(not task.done() for rank in subscriber._ranks for task in rank.tasks)
 
 
 def test_a_late_subscriber_replays_history_and_a_publisher_restart_empties_the_view() -> None:
