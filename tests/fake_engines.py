@@ -63,9 +63,10 @@ class FakeStream:
             parts.append(part)
         return b"".join(parts)
 
-    async def events(self, max_event_bytes: int = 1 << 62) -> AsyncIterator[bytes]:
+    async def next_events(self, max_event_bytes: int = 1 << 62) -> list[bytes] | None:
         async for part in self._read():
-            yield part
+            return [part]
+        return None
 
     def close(self) -> None:
         self._half.log.append(("close", self._half.role))

@@ -457,26 +457,28 @@ class PDExchange:
 
     async def _read_stream(self, response: EngineStream, worker: Worker, expected: int) -> None:
         """A streaming client's answer: decode's events, each checked as it comes, to its [DONE]."""
-        async for data in response.events(self.plan.engine_event_bytes):
+        max_event_bytes = self.plan.engine_event_bytes
+        while (batch := await response.next_events(max_event_bytes)) is not None:
             self._watchdog.touch()
-            if self.state.decode is Decode.SAID_DONE:
-                raise EngineBroken("decode", "decode sent an event after [DONE]")
-            if data == b"[DONE]":
-                self.state.move(Decode.SAID_DONE)
-                continue
-            first = self.first_token_at is None
-            if first and await self._first_output():
-                await parked()  # failed under strict: `_cancel` closes this half in the safe order
-            self._on_decode_event(data, worker, expected)
-            if first:
-                self._maybe_let_go()
-                self._judge(worker, None)  # decode works: a half-open breaker's probe succeeded here
-            if self.events.held_bytes > RELAY_HIGH_WATER:
-                # A slow client: stop reading from decode until it catches up. Decode's silence meanwhile is
-                # the client's doing: the idle timer waits too.
-                self._watchdog.pause()
-                await self.events.drained()
-                self._watchdog.arm()
+            for data in batch:  # the events one chunk from decode completed (usually one)
+                if self.state.decode is Decode.SAID_DONE:
+                    raise EngineBroken("decode", "decode sent an event after [DONE]")
+                if data == b"[DONE]":
+                    self.state.move(Decode.SAID_DONE)
+                    continue
+                first = self.first_token_at is None
+                if first and await self._first_output():
+                    await parked()  # failed under strict: `_cancel` closes this half in the safe order
+                self._on_decode_event(data, worker, expected)
+                if first:
+                    self._maybe_let_go()
+                    self._judge(worker, None)  # decode works: a half-open breaker's probe succeeded here
+                if self.events.held_bytes > RELAY_HIGH_WATER:
+                    # A slow client: stop reading from decode until it catches up. Decode's silence meanwhile is
+                    # the client's doing: the idle timer waits too.
+                    self._watchdog.pause()
+                    await self.events.drained()
+                    self._watchdog.arm()
         if self.first_token_at is None:
             raise EngineBroken("decode", "decode stream ended before its first token")
         if self.state.decode is not Decode.SAID_DONE:

@@ -4,7 +4,7 @@ in-process tests)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from routing.workers import Worker
@@ -12,7 +12,7 @@ from routing.workers import Worker
 
 class EngineStream(Protocol):
     async def body(self, max_bytes: int) -> bytes: ...
-    def events(self, max_event_bytes: int) -> AsyncIterator[bytes]: ...
+    async def next_events(self, max_event_bytes: int) -> list[bytes] | None: ...  # None: the stream ended
     def close(self) -> None: ...
 
 

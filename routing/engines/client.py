@@ -28,7 +28,7 @@ from routing.engines.errors import (
 )
 from routing.engines.http import Body, ConnectFailed, ConnectionPool, HttpConnection, HttpError, Response
 from routing.engines.identity import parse_identity
-from routing.engines.sse import EventTooLarge, data_events
+from routing.engines.sse import EventSplitter, EventTooLarge
 
 if TYPE_CHECKING:  # workers know engine identities; the client only calls their transitions
     from routing.workers import Worker
@@ -42,11 +42,13 @@ _TELEMETRY_BODY_LIMIT = 16 << 20  # /server_info, /metrics, loads: a few hundred
 class EngineResponse:
     """A 2xx generate response whose body is still to be read: whole, or as server-sent events."""
 
-    __slots__ = ("_response", "role")
+    __slots__ = ("_ended", "_response", "_splitter", "role")
 
     def __init__(self, role: Role, response: Response) -> None:
         self.role = role
         self._response = response
+        self._splitter: EventSplitter | None = None
+        self._ended = False
 
     async def body(self, max_bytes: int) -> bytes:
         """The whole body, at most `max_bytes` of it (EngineAnswerTooLarge beyond: nothing more is read)."""
@@ -57,9 +59,26 @@ class EngineResponse:
 
     async def events(self, max_event_bytes: int) -> AsyncIterator[bytes]:
         """The `data:` payload of each event, `[DONE]` included; EngineAnswerTooLarge for an event over the cap."""
-        try:
-            async for payload in data_events(self._response.chunks(), max_event_bytes):
+        while (payloads := await self.next_events(max_event_bytes)) is not None:
+            for payload in payloads:
                 yield payload
+
+    async def next_events(self, max_event_bytes: int) -> list[bytes] | None:
+        """The `data:` payloads of the events that came next (at least one), None once the stream has ended: one
+        await per chunk from the engine, not a generator step per event."""
+        splitter = self._splitter
+        if splitter is None:
+            splitter = self._splitter = EventSplitter(max_event_bytes)
+        try:
+            while not self._ended:
+                chunk = await self._response.next_chunk()
+                if chunk is None:
+                    self._ended = True
+                    return splitter.finish() or None
+                payloads = splitter.feed(chunk)
+                if payloads:
+                    return payloads
+            return None
         except EventTooLarge as exc:
             raise EngineAnswerTooLarge(self.role, "a streamed event", exc.limit) from None
         except HttpError as exc:

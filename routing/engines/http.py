@@ -105,15 +105,19 @@ class Response:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes in the pieces they arrived in; raises ConnectionClosed if the body is cut short."""
+        while (chunk := await self.next_chunk()) is not None:
+            yield chunk
+
+    async def next_chunk(self) -> bytes | None:
+        """The next piece of the body as it arrived, None once it has all come; ConnectionClosed if it is cut short."""
         while True:
             if self._chunks:
                 chunk = self._chunks.popleft()
                 self._take(len(chunk) + _CHUNK_COST)
-                yield chunk
-                continue
+                return chunk
             if self._complete:
                 self._finish(reusable=True)
-                return
+                return None
             if self._error is not None:
                 raise self._error
             self._waiter = asyncio.get_running_loop().create_future()

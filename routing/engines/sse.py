@@ -24,13 +24,37 @@ class EventTooLarge(Exception):
         self.limit = limit
 
 
-async def data_events(chunks: AsyncIterator[bytes], max_event_bytes: int) -> AsyncIterator[bytes]:
-    """Each event's `data:` payload; raises EventTooLarge once an event exceeds `max_event_bytes`."""
-    pending = bytearray()
-    scanned = 0  # pending[:scanned] holds no delimiter start (bar the last _OVERLAP bytes, searched again)
-    async for chunk in chunks:
+class EventSplitter:
+    """Bytes as they arrive → the `data:` payloads of the events they complete, synchronously (one call per chunk:
+    no generator per event). The common chunk — whole events ending in \n\n, nothing carried over, no \r — is split
+    in one pass."""
+
+    __slots__ = ("_max", "_pending", "_scanned")
+
+    def __init__(self, max_event_bytes: int) -> None:
+        self._max = max_event_bytes
+        self._pending = bytearray()
+        self._scanned = 0  # _pending[:_scanned] holds no delimiter start (bar the last _OVERLAP bytes)
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The payloads of the events `chunk` completes; EventTooLarge once an event exceeds the cap."""
+        if not self._pending and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+            payloads: list[bytes] = []
+            for event in chunk[:-2].split(b"\n\n"):
+                if len(event) > self._max:
+                    raise EventTooLarge(len(event), self._max)
+                if event.startswith(b"data:") and b"\n" not in event:
+                    payloads.append(event[5:].lstrip(b" "))
+                elif event:
+                    payloads.extend(_payloads(event))
+            return payloads
+        return self._feed_slowly(chunk)
+
+    def _feed_slowly(self, chunk: bytes) -> list[bytes]:
+        payloads: list[bytes] = []
+        pending, scanned = self._pending, self._scanned
         if not pending:
-            # The common case: whole events in one chunk, nothing carried over. No copy into the buffer.
+            # Nothing carried over: search the chunk itself (no copy into the buffer).
             start, scanned = 0, 0
             view: bytes | bytearray = chunk
         else:
@@ -41,23 +65,35 @@ async def data_events(chunks: AsyncIterator[bytes], max_event_bytes: int) -> Asy
             end, width = _find_delimiter(view, max(start, scanned - _OVERLAP))
             if end < 0:
                 break
-            if end - start > max_event_bytes:
-                raise EventTooLarge(end - start, max_event_bytes)
-            for payload in _payloads(bytes(view[start:end])):
-                yield payload
+            if end - start > self._max:
+                raise EventTooLarge(end - start, self._max)
+            payloads.extend(_payloads(bytes(view[start:end])))
             start = end + width
             scanned = start
         rest = len(view) - start
-        if rest > max_event_bytes:
-            raise EventTooLarge(rest, max_event_bytes)
+        if rest > self._max:
+            raise EventTooLarge(rest, self._max)
         if view is pending:
             del pending[:start]
         else:
-            pending = bytearray(chunk[start:]) if rest else bytearray()
-        scanned = len(pending)
-    if bytes(pending).strip():
-        for payload in _payloads(bytes(pending)):
+            self._pending = pending = bytearray(chunk[start:]) if rest else bytearray()
+        self._scanned = len(pending)
+        return payloads
+
+    def finish(self) -> list[bytes]:
+        """The stream ended: the payloads of an event it left without its blank line."""
+        pending, self._pending = self._pending, bytearray()
+        return _payloads(bytes(pending)) if bytes(pending).strip() else []
+
+
+async def data_events(chunks: AsyncIterator[bytes], max_event_bytes: int) -> AsyncIterator[bytes]:
+    """Each event's `data:` payload; raises EventTooLarge once an event exceeds `max_event_bytes`."""
+    splitter = EventSplitter(max_event_bytes)
+    async for chunk in chunks:
+        for payload in splitter.feed(chunk):
             yield payload
+    for payload in splitter.finish():
+        yield payload
 
 
 def _find_delimiter(buffer: bytes | bytearray, since: int) -> tuple[int, int]:
