@@ -36,10 +36,6 @@ class ClientLink(BodySource, Protocol):
     async def write_head(self, status: int, headers: Headers) -> None: ...
     async def write_body(self, data: bytes, *, more: bool) -> None: ...
 
-    def write_body_now(self, data: bytes) -> bool:
-        """More of a started answer, written at once if the client is keeping up; False: nothing written."""
-        ...
-
 
 class AsgiBody:
     """A `BodySource` over an ASGI call."""
@@ -96,6 +92,3 @@ class AsgiLink(AsgiBody):
 
     async def write_body(self, data: bytes, *, more: bool) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
-
-    def write_body_now(self, data: bytes) -> bool:
-        return False  # ASGI's send is a coroutine

@@ -134,12 +134,6 @@ class EdgeCycle:
         self._chunked = chunked
         self._head = b"".join(parts)
 
-    def write_body_now(self, data: bytes) -> bool:
-        if self._head or self.flow.write_paused or self.disconnected or self.response_complete or not data:
-            return False
-        self._transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
-        return True
-
     async def write_body(self, data: bytes, *, more: bool) -> None:
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()

@@ -38,20 +38,10 @@ class ClientResponse:
         await self._link.write_head(status, [*headers, (b"x-request-id", self._request_id)])
 
     async def body(self, data: bytes, *, more: bool = False) -> None:
-        self._observe(data)
-        await self._link.write_body(data, more=more)
-
-    def body_now(self, data: bytes) -> bool:
-        """More of a started answer written at once, if the link can (False: it cannot now; nothing was written)."""
-        if not self._link.write_body_now(data):
-            return False
-        self._observe(data)
-        return True
-
-    def _observe(self, data: bytes) -> None:
         record = self._record
         if record.sampled and len(record.answer) < ANSWER_KEPT:
             record.answer += data[: ANSWER_KEPT - len(record.answer)]
+        await self._link.write_body(data, more=more)
 
 
 async def send_json(response: ClientResponse, status: int, body: bytes, headers: Headers = ()) -> None:
@@ -98,36 +88,27 @@ async def _relay_stream(exchange: PDExchange, response: ClientResponse) -> None:
             await send_error(response, error, retry_after(error))
             return
     await response.start(200, _SSE_HEADERS + _count_header(exchange))
-
-    def direct(payload: bytes) -> bool:  # a released payload while this relay waits (see RelayQueue)
-        shown = _presented(payload, usage)
-        return shown is None or response.body_now(b"data: " + shown + b"\n\n")
-
-    try:
-        while True:
-            parts: list[bytes] = []
-            while isinstance(event, bytes):
-                shown = _presented(event, usage)
-                if shown is not None:
-                    parts.append(b"data: " + shown + b"\n\n")
-                event = queue.get_nowait() if not queue.empty() else None
-            body = b"".join(parts)
-            match event:
-                case None:
-                    await response.body(body, more=True)
-                    queue.direct = direct
-                    event = await queue.get()
-                case Done():
-                    await response.body(body + _DONE_EVENT)
-                    return
-                case Failure(error):
-                    # A stream that already started cannot change its status: an error event and no [DONE].
-                    await response.body(body + error.sse_event())
-                    return
-                case ClientGone():
-                    return
-    finally:
-        queue.direct = None
+    while True:
+        parts: list[bytes] = []
+        while isinstance(event, bytes):
+            shown = _presented(event, usage)
+            if shown is not None:
+                parts.append(b"data: " + shown + b"\n\n")
+            event = queue.get_nowait() if not queue.empty() else None
+        body = b"".join(parts)
+        match event:
+            case None:
+                await response.body(body, more=True)
+                event = await queue.get()
+            case Done():
+                await response.body(body + _DONE_EVENT)
+                return
+            case Failure(error):
+                # A stream that already started cannot change its status: an error event and no [DONE].
+                await response.body(body + error.sse_event())
+                return
+            case ClientGone():
+                return
 
 
 async def _relay_whole(exchange: PDExchange, response: ClientResponse) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.errors import GatewayError
@@ -37,14 +36,9 @@ RelayEvent = bytes | Done | ClientGone | Failure  # bytes: one released decode e
 class RelayQueue:
     """The exchange → relay channel: one producer (the exchange), one consumer (the relay). It counts the payload
     bytes it holds, so the decode half can wait for a slow client instead of buffering its whole output in the
-    gateway. (A deque and one waiter: `asyncio.Queue`'s generality cost a few microseconds per streamed token.)
+    gateway. (A deque and one waiter: `asyncio.Queue`'s generality cost a few microseconds per streamed token.)"""
 
-    While the relay waits with nothing in hand, a payload may go straight to it through `direct` (set by the relay
-    once its answer has started): written to the client in the producer's own step, with no wake-up of the relay's
-    task per token. `direct` returns False when it cannot take the payload now (a client not keeping up): it is
-    queued as any other."""
-
-    __slots__ = ("_drained", "_items", "_waiter", "direct", "held_bytes")
+    __slots__ = ("_drained", "_items", "_waiter", "held_bytes")
 
     def __init__(self) -> None:
         self._items: deque[RelayEvent] = deque()
@@ -52,13 +46,8 @@ class RelayQueue:
         self.held_bytes = 0
         self._drained = asyncio.Event()
         self._drained.set()
-        self.direct: Callable[[bytes], bool] | None = None
 
     def put_nowait(self, item: RelayEvent) -> None:
-        waiter = self._waiter
-        if self.direct is not None and type(item) is bytes and not self._items and waiter is not None \
-                and not waiter.done() and self.direct(item):
-            return
         self._items.append(item)
         if isinstance(item, bytes):
             self.held_bytes += len(item)

@@ -4,7 +4,6 @@ a failure of either half cancels the other at once, and no failure becomes an HT
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import socket
 import time
@@ -198,8 +197,7 @@ def test_client_rid_and_bootstrap_fields_never_reach_an_engine_and_rooms_are_uni
                 return response.status_code
             return list(await asyncio.gather(*(one(i) for i in range(requests))))
 
-    statuses = asyncio.run(send_all())
-    assert statuses == [200] * requests, collections.Counter(statuses)
+    assert asyncio.run(send_all()) == [200] * requests
     for engine in (pair.prefill, pair.decode):
         seen = [r for r in records(engine) if r.get("path") == "/generate"]
         assert len(seen) == requests
