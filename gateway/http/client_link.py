@@ -16,6 +16,8 @@ Headers = Sequence[tuple[bytes, bytes]]
 class BodySource(Protocol):
     @property
     def headers(self) -> Headers: ...  # names lower-cased, as they came
+    @property
+    def body_complete(self) -> bool: ...  # the whole body has arrived (reading it cannot wait on the client)
 
     async def receive(self) -> tuple[bytes, bool]:
         """The next part of the body and whether more follows; ConnectionAbortedError once the client has left."""
@@ -49,6 +51,10 @@ class AsgiBody:
     @property
     def headers(self) -> Headers:
         return self._scope["headers"]  # type: ignore[no-any-return]
+
+    @property
+    def body_complete(self) -> bool:
+        return False  # not known through ASGI
 
     async def receive(self) -> tuple[bytes, bool]:
         message = await self._receive()

@@ -98,6 +98,10 @@ class EdgeCycle:
         chunk, self.body = bytes(self.body), bytearray()
         return chunk, self.more_body
 
+    @property
+    def body_complete(self) -> bool:
+        return not self.more_body
+
     def on_disconnect(self, callback: Callable[[], None] | None) -> None:
         self._on_disconnect = callback
         if callback is not None and self.disconnected and not self.response_complete:

@@ -77,8 +77,11 @@ async def receive_body(gateway: Gateway, source: BodySource, body: RequestBody, 
     timeout_s = gateway.config.timeouts.client_body_s
     refusal: Exception | None = None
     try:
-        async with asyncio.timeout(timeout_s):
+        if source.body_complete:  # all of it is in already: nothing to time (a timer per request otherwise)
             await read_body(source, body, gateway.config.max_body_bytes)
+        else:
+            async with asyncio.timeout(timeout_s):
+                await read_body(source, body, gateway.config.max_body_bytes)
     except TimeoutError:
         refusal = Refused(GatewayError(408, f"the request body did not arrive within {timeout_s:g}s",
                                        code="request_timeout"), CLOSE)

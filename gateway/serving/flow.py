@@ -74,7 +74,7 @@ class Flow:
                   headers: Sequence[tuple[bytes, bytes]], record: RequestRecord, *, sample: bool) -> PDExchange:
         """Admit the request and dispatch it; raises the GatewayError to answer instead (nothing was sent)."""
         # Abortable by its id from the start: an abort while its body is still being counted refuses it after.
-        async with self.inflight.queued(record.request_id) as waiting:
+        with self.inflight.queued(record.request_id) as waiting:
             started = time.perf_counter()
             model, admitted = await self.admit(route, body, tenant=tenant)
             record.model = model.name

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from gateway.errors import aborted_by_operator
@@ -43,8 +43,8 @@ class Inflight:
         self._abort_queued: set[str] = set()  # ... of which an operator aborted these: refused when their turn comes
         self._state_calls: set[asyncio.Task[None]] = set()
 
-    @asynccontextmanager
-    async def queued(self, request_id: str) -> AsyncIterator[Waiting]:
+    @contextmanager
+    def queued(self, request_id: str) -> Iterator[Waiting]:
         """While a request waits for a worker pair it is abortable by its id, fleet-wide. One that leaves without
         being dispatched leaves the fleet's registry here; a dispatched one when its exchange closes."""
         self._queued[request_id] += 1
