@@ -13,6 +13,7 @@ import pytest
 
 from loadtests.engine.harness import free_port
 from routing.prefix_index import CacheIndex
+from routing.prefix_index.events import MAX_BATCH_TOKENS, EventDecoder, MalformedBatch, decode_batch, split_batch
 from routing.prefix_index.subscriber import EventsEndpoint, KvEventSubscriber
 from tests.routing.prefix_index.test_kv_events import LoopLag, until, wired
 
@@ -119,3 +120,15 @@ def test_one_event_at_the_byte_cap_never_stalls_the_event_loop() -> None:
             assert worst < 0.25, f"the loop was held {worst:.2f} s by one event"
 
     asyncio.run(scenario())
+
+
+def test_token_ids_and_page_lengths_are_capped_per_batch() -> None:
+    too_many = [["BlockStored", [i], None, [1] * 16, 16, None] for i in range(MAX_BATCH_TOKENS // 16 + 1)]
+    with pytest.raises(MalformedBatch):
+        decode_batch(msgspec.msgpack.encode([0.0, too_many]))
+    longer_page = msgspec.msgpack.encode([0.0, [["BlockStored", [1], None, [1] * 64, 64, None]]])
+    assert len(decode_batch(longer_page)) == 1  # the page size is the subscriber's to know
+    decoder = EventDecoder(page_size=16)
+    with pytest.raises(MalformedBatch):
+        decoder.decode(split_batch(longer_page)[0])
+    assert decoder.decode(split_batch(msgspec.msgpack.encode([0.0, [["BlockStored", [1], None, [1] * 5, 5, None]]]))[0])
