@@ -12,10 +12,13 @@ import msgspec
 import pytest
 
 from loadtests.engine.harness import free_port
-from routing.prefix_index import CacheIndex
+from routing.cache_tracking import CacheTracking
+from routing.prefix_index import CacheIndex, CacheMode
 from routing.prefix_index.events import MAX_BATCH_TOKENS, EventDecoder, MalformedBatch, decode_batch, split_batch
 from routing.prefix_index.subscriber import EventsEndpoint, KvEventSubscriber
+from tests.routing.prefix_index.test_cache_aware import prompt, sglang_page_hashes
 from tests.routing.prefix_index.test_kv_events import LoopLag, until, wired
+from tests.routing.prefix_index.test_subscriber_limits import prefill
 
 _FLOOD = """
 import sys, time, zmq
@@ -132,3 +135,44 @@ def test_token_ids_and_page_lengths_are_capped_per_batch() -> None:
     with pytest.raises(MalformedBatch):
         decoder.decode(split_batch(longer_page)[0])
     assert decoder.decode(split_batch(msgspec.msgpack.encode([0.0, [["BlockStored", [1], None, [1] * 5, 5, None]]]))[0])
+
+
+def test_a_worker_removed_while_a_poll_is_in_flight_is_never_subscribed_again() -> None:
+    """The monitor judges the workers it read before a removal landed (`_poll_now` awaits every read, which a slow
+    engine stretches to its timeout): a worker removed while out of rotation and then accepted by that verdict
+    joins again, and `_joined` made a subscriber for it that nothing ever stops (2 ZMQ threads, ~5 fds a rank, a
+    liveness probe forever)."""
+
+    async def scenario() -> None:
+        tracking = CacheTracking(configured={}, liveness_s=0.3)
+        worker = prefill(free_port(), free_port(), 8)
+        identity = worker.verified
+        assert identity is not None
+        try:
+            tracking.attach(worker)
+            assert worker in tracking.subscribers
+            worker.refuse("a bad read")  # out of rotation, its subscriber kept
+            tracking.detach(worker)  # the pool's on_remove: an admin DELETE, a reload, DNS dropping it
+            worker.accept(identity)  # the verdict of the poll that read it before the removal
+            assert worker not in tracking.subscribers, "a removed worker got a subscriber"
+        finally:
+            await tracking.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_publisher_falling_silent_never_raises_a_prediction_its_evictions_lowered() -> None:
+    """A block the engine reported evicted stops counting; when the publisher then goes silent (or its replay
+    socket stops answering a probe: a lying engine can toggle that), the index falls back to approximate mode,
+    whose match read only the sent view: every reported eviction counted for nothing again."""
+    ids = list(range(200, 520))
+    index = CacheIndex(page_size=16, capacity_tokens=100_000)
+    rank = index.engine_view()
+    index.mode = CacheMode.EXACT
+    index.record(prompt(ids, "a"))
+    hashes = sglang_page_hashes(ids, 16)
+    rank.store(hashes, None, ids, 16)
+    rank.remove(hashes)
+    assert index.match(prompt(ids, "a")) == 0
+    index.mode = CacheMode.APPROXIMATE  # the publisher went silent
+    assert index.match(prompt(ids, "a")) == 0, "a silent publisher brought back what it had reported evicted"
