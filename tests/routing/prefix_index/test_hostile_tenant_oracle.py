@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from routing.policies import RouteKey
 from routing.policies.cache_aware import CacheAware
+from routing.pools import Lease, WorkerPair
 from routing.prefix_index import CacheIndex, CacheMode
+from routing.workers import Worker
 from tests.routing.prefix_index.test_cache_aware import prefills, prompt, sglang_page_hashes
 
 SECRET = list(range(200, 520))  # 320 tokens: B's confidential prefix (a document, a system prompt), or not
@@ -54,3 +56,42 @@ def test_whether_b_sent_a_prefix_does_not_change_where_a_is_routed() -> None:
         chosen = CacheAware().pick(workers, RouteKey(prompt=probe))
         picked[b_sent] = (chosen is holder, probe.predicted_cached)
     assert picked[True] == picked[False], f"A's routing reads B's traffic: {picked}"
+
+
+def _liar_share(liar_clears: bool) -> float:
+    """After a warm-up, 16 growing conversations (10 turns of 300 tokens each, interleaved, 8 in flight) over 4 prefills, the first
+    of which, when `liar_clears`, publishes AllBlocksCleared (or restarts its sequence) after every batch: the
+    subscriber calls `forget_sent` each time, so that prefill's index never holds anything."""
+    pool, policy = prefills(4, page_size=16), CacheAware()
+    liar = pool[0]
+    decode = prefills(1)[0]
+    for past in range(300):  # a gateway that has run a while: every index near its pool (100,000 tokens)
+        policy.pick(pool, RouteKey(prompt=prompt(list(range(past * 2000, past * 2000 + 1500)), "tenant-x")))
+    conversations = {user: [user] * 16 for user in range(16)}
+    in_flight: list[Lease] = []
+    picks: list[Worker] = []
+    for turn in range(10):
+        for user, ids in conversations.items():
+            ids.extend(range(10_000 * user + 300 * turn, 10_000 * user + 300 * turn + 300))
+            asked = prompt(list(ids), f"tenant-{user % 4}")
+            chosen = policy.pick(pool, RouteKey(prompt=asked))
+            assert chosen is not None
+            picks.append(chosen)
+            in_flight.append(Lease(WorkerPair(chosen, decode), asked))
+            if len(in_flight) > 8:
+                in_flight.pop(0).release()
+            if liar_clears and liar.cache_index is not None:
+                liar.cache_index.forget_sent()  # what _engine_emptied does on AllBlocksCleared / a sequence restart
+    for lease in in_flight:
+        lease.release()
+    return sum(1 for worker in picks if worker is liar) / len(picks)
+
+
+def test_an_engine_that_keeps_reporting_its_cache_cleared_cannot_draw_most_of_the_traffic() -> None:
+    """SPREAD_WEIGHT charges each prefill half the tokens its index holds beyond the emptiest one's, up to half a
+    pool; an engine whose events keep saying its cache was cleared is always the emptiest, so every other prefill
+    pays that penalty against it, and it draws every conversation whose cached part is under half of what the others
+    hold (and sees every tenant's prompts)."""
+    honest = _liar_share(False)
+    lying = _liar_share(True)
+    assert lying <= max(0.5, 2 * honest), f"a prefill claiming an empty cache drew {lying:.0%} (honest: {honest:.0%})"
