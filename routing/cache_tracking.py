@@ -33,6 +33,7 @@ class CacheTracking:
         self._liveness_s = liveness_s
         self._on_mode = on_mode
         self.subscribers: dict[Worker, KvEventSubscriber] = {}
+        self._attached: set[Worker] = set()  # in the pool: a verdict that lands after a removal subscribes nothing
         self._stopping: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -40,11 +41,16 @@ class CacheTracking:
         """Track `worker` (a prefill) from now on."""
         if worker.role != "prefill":
             return
+        self._attached.add(worker)
         worker.on_join(self._joined)
         if worker.verified is not None:
             self._joined(worker)
 
     def detach(self, worker: Worker) -> None:
+        self._attached.discard(worker)
+        self._drop(worker)
+
+    def _drop(self, worker: Worker) -> None:
         subscriber = self.subscribers.pop(worker, None)
         if subscriber is not None:
             self._stop_later(subscriber)
@@ -57,11 +63,11 @@ class CacheTracking:
 
     def _joined(self, worker: Worker) -> None:
         identity = worker.verified
-        if identity is None or self._closed:
+        if identity is None or self._closed or worker not in self._attached:
             return
         index = worker.cache_index = CacheIndex(page_size=identity.page_size, capacity_tokens=identity.pool_tokens,
                                                 max_bytes=self._index_bytes)
-        self.detach(worker)
+        self._drop(worker)
         endpoints = self._endpoints(worker)
         if not endpoints:
             return

@@ -50,10 +50,13 @@ class MalformedBatch(ValueError):
 MAX_BATCH_BYTES = 16 * 2**20  # also the SUB and replay sockets' ZMQ_MAXMSGSIZE: a larger message is never received
 MAX_BATCH_EVENTS = 1 << 19  # 524,288 events (0.5.8: about 2 x 262,144 pages at page size 1)
 MAX_BATCH_PAGES = 1 << 20  # 1,048,576 page hashes in all the batch's events together (and in any one of them)
+# Token ids likewise (a node of a 1M-token prompt): an event's ids are decoded in one msgspec call, which the
+# 16 MiB cap alone left at 16M one-byte ids (~0.4 s of loop held, a 64 MB array stored after it).
+MAX_BATCH_TOKENS = 1 << 20
 
 _Hashes = Annotated[list[int], msgspec.Meta(max_length=MAX_BATCH_PAGES)]
 _TokenIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]],
-                      msgspec.Meta(max_length=MAX_BATCH_BYTES)]
+                      msgspec.Meta(max_length=MAX_BATCH_TOKENS)]
 _PageSize = Annotated[int, msgspec.Meta(ge=1)]
 
 
@@ -119,12 +122,16 @@ def split_batch(payload: bytes) -> list[msgspec.Raw]:
 
 class EventDecoder:
     """Decodes a batch's events one at a time (the subscriber hands the loop over between them), keeping the
-    batch's page count under MAX_BATCH_PAGES."""
+    batch's page and token counts under MAX_BATCH_PAGES and MAX_BATCH_TOKENS. `page_size`: the engine's (from its
+    /server_info); a BlockStored of larger pages is refused (SGLang's block_size is the page's length, the page size
+    or less for a last partial page), since a page's tokens past the index's block are kept as its tail."""
 
-    __slots__ = ("pages",)
+    __slots__ = ("page_size", "pages", "tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, page_size: int | None = None) -> None:
+        self.page_size = page_size
         self.pages = 0
+        self.tokens = 0
 
     def decode(self, raw: msgspec.Raw) -> KVEvent:
         try:
@@ -142,6 +149,11 @@ class EventDecoder:
         hashes, token_ids, block_size = decoded.block_hashes, decoded.token_ids, decoded.block_size
         if not hashes:
             raise MalformedBatch("a BlockStored without pages")
+        if self.page_size is not None and block_size > self.page_size:
+            raise MalformedBatch(f"pages of {block_size} tokens from an engine whose page size is {self.page_size}")
+        self.tokens += len(token_ids)
+        if self.tokens > MAX_BATCH_TOKENS:
+            raise MalformedBatch(f"more than {MAX_BATCH_TOKENS} token ids in one batch")
         if not (len(hashes) - 1) * block_size < len(token_ids) <= len(hashes) * block_size:
             raise MalformedBatch(f"{len(token_ids)} token ids for {len(hashes)} pages of {block_size}")
         return Stored(hashes, decoded.parent_block_hash, token_ids, block_size)

@@ -31,7 +31,8 @@ from routing.prefix_index.blocks import BLIND_SEED, PromptTokens, block_tokens_f
 
 
 class CacheMode(enum.Enum):
-    APPROXIMATE = "approximate"  # no KV events (none configured, or the publisher is silent): what kvgate sent
+    APPROXIMATE = "approximate"  # no KV events (none configured, or the publisher is silent): what kvgate sent, less
+    # any eviction a publisher reported before it fell silent (a prediction is never raised by losing the events)
     PARTIAL = "partial"  # events arrive but history before them is missing: sent, less what the engine evicted
     EXACT = "exact"  # every event since the engine's cache was empty: sent, and still held by the engine
 
@@ -273,9 +274,11 @@ class CacheIndex:
         keys = prompt.keys(self.block_tokens)
         if not keys or not self._sent.stamp(keys[0]):
             return 0
-        if self.mode is CacheMode.APPROXIMATE or not self.ranks:
+        evictions = self._evictions
+        if not evictions.floor and not len(evictions):  # no eviction ever reported: what kvgate sent
             return self._sent.prefix_depth(keys) * self.block_tokens
-        # Sent by this namespace after the engine last reported the block evicted (from any copy, on any rank).
+        # Sent by this namespace after the engine last reported the block evicted (from any copy, on any rank), in
+        # every mode: a publisher that falls silent does not make what it reported evicted count again.
         blind = prompt.keys(self.block_tokens, namespaced=False)
         sent, evicted = self._sent.stamp, self._evictions.at
         return prefix_depth(range(len(keys)), lambda i: sent(keys[i]) > evicted(blind[i])) * self.block_tokens

@@ -221,6 +221,9 @@ class KvEventSubscriber:
             except Exception:  # whatever an engine sent, the subscriber goes on
                 self.stats.malformed += 1
                 log.exception("KV events of %s: a batch could not be applied", self.name)
+            # A message already queued is received without a hand-over (pyzmq completes the future at once) and a small
+            # batch never reaches _apply's slice: without this, a publisher that keeps the queue full holds the loop.
+            await asyncio.sleep(0)
 
     def resync(self) -> None:
         """The worker's engine may have been replaced (kvgate re-verified it): its cache is empty, and its
@@ -279,7 +282,7 @@ class KvEventSubscriber:
         self.stats.batches += 1
         view = rank.view
         overflows = view.overflows
-        decoder = EventDecoder()
+        decoder = EventDecoder(self.index.page_size)
         work = 0
         try:
             for raw in split_batch(payload):
@@ -343,6 +346,7 @@ class KvEventSubscriber:
             while True:
                 async with asyncio.timeout(self._liveness_s):
                     frames = await dealer.recv_multipart()
+                await asyncio.sleep(0)  # as in _receive: a replay that streams frames never holds the loop
                 # (b"", seq, payload) in 0.5.8, (b"", topic, seq, payload) in 0.5.22+: the ROUTER's reply to a
                 # DEALER keeps the REQ-style empty delimiter; the end marker's topic frame is empty.
                 if len(frames) < 3 or frames[0] or any(f not in (b"", topic) for f in frames[1:-2]):
