@@ -90,6 +90,16 @@ def test_two_content_lengths_are_refused_and_closed(gateway: RunningGateway) -> 
     assert [a["status"] for a in answers] == [400] and closed, answers
 
 
+@pytest.mark.parametrize("head", [b"POST /generate HTTP/1.1\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n{}",
+                                  b"POST /generate HTTP/1.1\r\nhost: a b\x01\r\n\r\n", b"\x16\x03\x01\x00 not http\r\n\r\n"])
+def test_a_request_the_parser_refuses_is_answered_with_a_request_id(gateway: RunningGateway, head: bytes) -> None:
+    with _connect(gateway) as sock:
+        sock.sendall(head)
+        answers, closed = _all_answers(sock)
+    assert [a["status"] for a in answers] == [400] and closed, answers
+    assert len(answers[0]["headers"].get("x-request-id", "")) == 32, answers[0]["headers"]
+
+
 def test_a_chunked_body_is_served_and_what_follows_it_is_the_next_request(gateway: RunningGateway) -> None:
     half = len(GENERATE) // 2
     chunked = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (half, GENERATE[:half], len(GENERATE) - half, GENERATE[half:])
