@@ -241,8 +241,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self._reject()
             elif self._two_keys:
                 self._answer(400, "Bad Request", "invalid_request", "a request carries one authorization header")
-            else:
-                self.send_400_response("Invalid HTTP request received.")
+            else:  # uvicorn's own 400 is plain text without an x-request-id
+                self._answer(400, "Bad Request", "invalid_request", "invalid HTTP request")
 
     def _reject(self) -> None:
         self._answer(431, "Request Header Fields Too Large", "headers_too_large",
