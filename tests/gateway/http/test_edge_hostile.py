@@ -22,6 +22,8 @@ from tests.gateway_harness import RunningGateway, model_entry, running_gateway, 
 
 KEY = b"sk-hostile"
 GENERATE = b'{"text": "hello there", "sampling_params": {"max_new_tokens": 4}}'
+pytestmark = pytest.mark.long_running(seconds=45)  # the whole file: streams, timeouts, clients left to stall
+
 LONG_STREAM = (b'{"model": "glm-5", "prompt": "go on", "max_tokens": 400, "ignore_eos": true, "stream": true}')
 
 
