@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from uvicorn.protocols.http.flow_control import FlowControl
 
 from gateway.http.client_link import Headers
+from gateway.http.intake import request_id_of
 
 log = logging.getLogger("kvgate.http")
 
@@ -25,7 +26,7 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _STATUS_LINES = {status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode())
                  for status in http.HTTPStatus}
 _FAILED = (b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain; charset=utf-8\r\n"
-           b"content-length: 21\r\nconnection: close\r\n\r\nInternal Server Error")
+           b"content-length: 21\r\nconnection: close\r\nx-request-id: %s\r\n\r\nInternal Server Error")
 
 
 class EdgeEndpoint(Protocol):
@@ -71,18 +72,24 @@ class EdgeCycle:
             await self._endpoint.serve(self)
         except BaseException as exc:
             log.error("generate request failed in the gateway", exc_info=exc)
-            if not self.response_started and not self._transport.is_closing():
-                self._transport.write(_FAILED)
-            self._transport.close()
+            self._fail()
             if isinstance(exc, asyncio.CancelledError):
                 raise
         else:
             if not self.response_complete and not self.disconnected:
                 log.error("generate request returned without completing its answer")
-                self._transport.close()
+                self._fail()
         finally:
             self._on_response = _nothing
             self._on_disconnect = None
+
+    def _fail(self) -> None:
+        """A 500 while no byte of the answer is out (its head is kept for the first body part: a head taken but not
+        sent is no answer yet), then the connection is closed (a started answer is cut short, never completed)."""
+        if (not self.response_started or self._head) and not self._transport.is_closing():
+            self._transport.write(_FAILED % request_id_of(self.headers))
+            self._head = b""
+        self._transport.close()
 
     # ── the request ─────────────────────────────────────────────────────────────────────────────────────────
     async def receive(self) -> tuple[bytes, bool]:
@@ -121,6 +128,10 @@ class EdgeCycle:
         if self.response_started:
             raise RuntimeError("the response head was already written")
         self.response_started = True
+        if self.waiting_for_100_continue and self.more_body:
+            # Answered before the client was told to send its body: it will not send it (RFC 9110 10.1.1), so
+            # what it sends next would be read as that body. Closed after this answer instead.
+            self.keep_alive = False
         self.waiting_for_100_continue = False
         parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status]
         chunked = True

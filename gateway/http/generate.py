@@ -68,6 +68,9 @@ class GenerateEndpoint:
         link.on_disconnect(exchange.disconnect)
         try:
             await relay(exchange, response)
+        except BaseException:
+            exchange.disconnect()  # the answer cannot go on: nobody would read the exchange's events again
+            raise
         finally:
             link.on_disconnect(None)
 

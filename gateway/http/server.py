@@ -71,6 +71,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._address: str | None = None
         self._key: bytes | None = None  # a digest of the API key its last request named
         self._request_key: bytes | None = None
+        self._running: Any = None  # the cycle whose task was started last (an EdgeCycle or uvicorn's own)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -97,8 +98,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             _forget(self.by_key, self._key)
             self._key = None
         super().connection_lost(exc)
-        if isinstance(self.cycle, EdgeCycle):
-            self.cycle.connection_lost()
+        # uvicorn tells only the newest cycle, which is not the one running when a request is pipelined behind it:
+        # unheard, the running answer would go on to a closed transport (and fail there), its exchange running on
+        # with nobody reading its events until decode's read paused for good (total_s).
+        running = self._running
+        if running is not None and running is not self.cycle and not running.response_complete:
+            running.disconnected = True
+            running.message_event.set()
+        for cycle in (running,) if running is self.cycle else (running, self.cycle):
+            if isinstance(cycle, EdgeCycle):
+                cycle.connection_lost()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -154,10 +163,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             keep_alive=self.parser.should_keep_alive(), expect_100_continue=self.expect_100_continue,
             default_headers=self.server_state.default_headers, on_response=self.on_response_complete)
         if existing is None or existing.response_complete:
-            self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+            self._start_asgi_task(cycle, self.app)
         else:  # pipelined: it waits for the answer before it, as uvicorn's own cycles do
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
 
     def on_message_complete(self) -> None:
         self._disarm_body_timer()
@@ -228,8 +241,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self._reject()
             elif self._two_keys:
                 self._answer(400, "Bad Request", "invalid_request", "a request carries one authorization header")
-            else:
-                self.send_400_response("Invalid HTTP request received.")
+            else:  # uvicorn's own 400 is plain text without an x-request-id
+                self._answer(400, "Bad Request", "invalid_request", "invalid HTTP request")
 
     def _reject(self) -> None:
         self._answer(431, "Request Header Fields Too Large", "headers_too_large",
