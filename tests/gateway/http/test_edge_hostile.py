@@ -315,13 +315,19 @@ def test_a_body_that_stops_arriving_is_a_408(gateway: RunningGateway) -> None:
 
 
 
-@pytest.mark.xfail(strict=True, reason="httptools stops at an Upgrade it is not resumed from: the body is dropped and "
-                   "the request is answered 'body is empty' (pre-existing on the ASGI path; hostile review edge25: LOW)")
 def test_a_request_asking_to_upgrade_is_served_or_refused_for_its_upgrade(gateway: RunningGateway) -> None:
-    """The edge leaves a request that asks to upgrade (h2c here) to uvicorn, which ignores the upgrade but never
-    parses the body after it: a valid request must not be told its body is empty."""
+    """httptools stops at an upgrade (h2c here) and is not resumed: a request with a body behind one is refused
+    for its upgrade (400, closed), never told its body is empty; a GET asking for h2c, with no body, is served."""
     with _connect(gateway) as sock:
         sock.sendall(_post(b"/generate", GENERATE, extra=b"connection: upgrade\r\nupgrade: h2c\r\n"))
         answers, _ = _all_answers(sock, settle_s=3)
     assert answers, "no answer"
     assert answers[0]["status"] == 200 or b"upgrade" in answers[0]["body"].lower(), answers[0]["body"]
+
+
+def test_a_get_asking_for_h2c_is_served_as_http_1_1(gateway: RunningGateway) -> None:
+    with _connect(gateway) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: kvgate\r\nconnection: upgrade, http2-settings\r\n"
+                     b"upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n\r\n")
+        answers, _ = _all_answers(sock, settle_s=1)
+    assert answers and answers[0]["status"] == 200
