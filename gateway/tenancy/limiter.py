@@ -6,11 +6,14 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from typing import NoReturn
+from collections.abc import Coroutine
+from typing import Any, NoReturn, TypeVar
 
 from gateway.tenancy.errors import RateLimited, StateDown
 from gateway.tenancy.tenants import Tenant
-from routing.state import Budget, FleetState, StateUnavailable
+from routing.state import Budget, FleetState, Ledger, StateUnavailable
+
+T = TypeVar("T")
 
 
 class TenantPass:
@@ -21,6 +24,7 @@ class TenantPass:
         self.tenant = tenant
         self._released = False
         self._charged = 0  # output tokens charged so far
+        self._charges: list[asyncio.Task[Ledger | None]] = []  # on their way: each says which store took it
 
     @property
     def charges_output(self) -> bool:
@@ -29,17 +33,23 @@ class TenantPass:
     def output_so_far(self, tokens: int) -> None:
         """Charge the output produced since the last call (while the request streams)."""
         if tokens > self._charged:
-            self._limiter.charge_output(self.tenant, tokens - self._charged)
+            charge = self._limiter.charge_output(self.tenant, tokens - self._charged)
+            if charge is not None:
+                self._charges.append(charge)
             self._charged = tokens
 
     def release(self, output_tokens: int = 0) -> None:
         """Given back, the output charged at last what it was: a charge made beyond it (a whole answer's most,
-        charged up front) is refunded."""
+        charged up front) is refunded, to the store that took it."""
         if self._released:
             return
         self._released = True
         if self.charges_output:
-            self._limiter.charge_output(self.tenant, output_tokens - self._charged)
+            if output_tokens >= self._charged:
+                self.output_so_far(output_tokens)
+            else:
+                self._limiter.give_back_output(self.tenant, self._charged - output_tokens, self._charges)
+        self._charges = []
         self._limiter.finished(self.tenant)
 
 
@@ -50,7 +60,7 @@ class TenantLimiter:
         # tenant → (until when, why): a budget that refused is known empty until then, so a throttled tenant's next
         # requests are refused before their bodies are read and counted (no refill can come sooner).
         self._empty_until: dict[str, tuple[float, str]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         # Each count of in_flight sent to the shared state is stamped when read: the state applies the newest it
         # has seen, whatever order the writes arrive in.
         self._stamps = itertools.count(1)
@@ -135,11 +145,25 @@ class TenantLimiter:
             self._spawn(self._state.release_tenant(tenant.name, self.in_flight.get(tenant.name, 0),
                                                    next(self._stamps)))
 
-    def charge_output(self, tenant: Tenant, tokens: int) -> None:
-        """Charge `tokens` of output (fewer than none: a refund; a bucket never fills beyond its size)."""
+    def charge_output(self, tenant: Tenant, tokens: int) -> asyncio.Task[Ledger | None] | None:
+        """Charge `tokens` of output; the task says which store took it (None: none did)."""
         per_min = tenant.limits.output_tokens_per_min
-        if per_min and tokens:
-            self._spawn(self._state.charge(tenant.name, Budget("output_tokens", per_min, tokens)))
+        if per_min and tokens > 0:
+            return self._spawn(self._state.charge(tenant.name, Budget("output_tokens", per_min, tokens)))
+        return None
+
+    def give_back_output(self, tenant: Tenant, tokens: int, charges: list[asyncio.Task[Ledger | None]]) -> None:
+        """Return `tokens` of output charged by `charges` (the last first), each part to the store that took it."""
+        per_min = tenant.limits.output_tokens_per_min
+        if per_min and tokens > 0 and charges:
+            self._spawn(self._give_back(tenant.name, per_min, tokens, list(charges)))
+
+    async def _give_back(self, tenant: str, per_min: int, tokens: int,
+                         charges: list[asyncio.Task[Ledger | None]]) -> None:
+        ledgers = [await charge for charge in charges]  # each charge's task never raises (_quietly)
+        ledger = next((ledger for ledger in reversed(ledgers) if ledger is not None), None)
+        if ledger is not None and len(set(ledgers)) == 1:  # an outage began or ended between them: nothing back
+            await self._state.give_back(tenant, Budget("output_tokens", per_min, tokens), ledger)
 
     def concurrency_report(self) -> tuple[dict[str, int], int]:
         """This replica's count per tenant, which every sync makes the shared state's truth for this replica (a
@@ -151,14 +175,15 @@ class TenantLimiter:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
 
-    def _spawn(self, coroutine: object) -> None:
+    def _spawn(self, coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T | None]:
         task = asyncio.get_running_loop().create_task(_quietly(coroutine))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
-async def _quietly(coroutine: object) -> None:
+async def _quietly(coroutine: Coroutine[Any, Any, T]) -> T | None:
     try:
-        await coroutine  # type: ignore[misc]
+        return await coroutine
     except StateUnavailable:
-        pass  # closed and Redis down: the next sync re-asserts this replica's counts
+        return None  # closed and Redis down: the next sync re-asserts this replica's counts

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 BudgetKind = Literal["requests", "prompt_tokens", "output_tokens", "body_bytes"]
+# Which store took a charge: the shared one (Redis), or this replica's own (memory, or the fallback in an outage).
+Ledger = Literal["shared", "local"]
 
 
 class StateUnavailable(Exception):
@@ -71,8 +73,13 @@ class FleetState(Protocol):
         read at `seq`."""
         ...
 
-    async def charge(self, tenant: str, budget: Budget) -> None:
-        """Charge a budget unconditionally (output tokens, as they are produced)."""
+    async def charge(self, tenant: str, budget: Budget) -> Ledger:
+        """Charge a budget unconditionally (output tokens, as they are produced); says which store took it."""
+        ...
+
+    async def give_back(self, tenant: str, budget: Budget, ledger: Ledger) -> None:
+        """Return `budget.cost` of an earlier charge to the store that took it (`ledger`), never to another: a
+        bucket never fills beyond its size. Dropped when that store cannot take it now (the tenant gains nothing)."""
         ...
 
     async def sync(self, report: FleetReport) -> FleetView:

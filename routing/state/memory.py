@@ -9,7 +9,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from routing.state.base import Budget, FleetReport, FleetView, TenantDecision
+from routing.state.base import Budget, FleetReport, FleetView, Ledger, TenantDecision
 from routing.state.buckets import Bucket, empty, wait_s
 
 
@@ -53,11 +53,18 @@ class MemoryState:
         if not self._concurrent[tenant]:
             del self._concurrent[tenant]
 
-    async def charge(self, tenant: str, budget: Budget) -> None:
+    async def charge(self, tenant: str, budget: Budget) -> Ledger:
         now = self._clock()
         bucket = self._bucket(tenant, budget, now)
         bucket.refill(budget.per_min, now)
         bucket.level -= budget.cost
+        return "local"
+
+    async def give_back(self, tenant: str, budget: Budget, ledger: Ledger) -> None:
+        if ledger == "local":
+            now = self._clock()
+            bucket = self._bucket(tenant, budget, now)
+            bucket.level = min(float(budget.per_min), bucket.refill(budget.per_min, now) + budget.cost)
 
     def _bucket(self, tenant: str, budget: Budget, now: float) -> Bucket:
         key = (tenant, budget.kind)

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from routing.state import redis_scripts as lua
-from routing.state.base import Budget, FleetReport, FleetView, TenantDecision
+from routing.state.base import Budget, FleetReport, FleetView, Ledger, TenantDecision
 
 log = logging.getLogger("kvgate.state")
 
@@ -111,8 +111,13 @@ class RedisState:
         await self._release(keys=[f"{PREFIX}conc:{tenant}", f"{PREFIX}conc_floor:{self.replica}"],
                             args=[self.replica, held_here, seq])
 
-    async def charge(self, tenant: str, budget: Budget) -> None:
+    async def charge(self, tenant: str, budget: Budget) -> Ledger:
         await self._charge(keys=[f"{PREFIX}bucket:{tenant}"], args=[budget.kind, budget.per_min, budget.cost])
+        return "shared"
+
+    async def give_back(self, tenant: str, budget: Budget, ledger: Ledger) -> None:
+        if ledger == "shared":  # a negative charge: the script caps the level at the bucket's size when read
+            await self._charge(keys=[f"{PREFIX}bucket:{tenant}"], args=[budget.kind, budget.per_min, -budget.cost])
 
     async def sync(self, report: FleetReport) -> FleetView:
         self._ensure_listener()

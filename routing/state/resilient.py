@@ -16,7 +16,7 @@ from typing import Literal, TypeVar
 
 from redis.exceptions import RedisError
 
-from routing.state.base import Budget, FleetReport, FleetView, StateUnavailable, TenantDecision
+from routing.state.base import Budget, FleetReport, FleetView, Ledger, StateUnavailable, TenantDecision
 from routing.state.memory import MemoryState
 from routing.state.redis_state import RedisState
 from routing.state.shares import seeded_level, share
@@ -120,10 +120,23 @@ class ResilientState:
         await self.fallback.release_tenant(tenant)
         await self._call("release", lambda: self.primary.release_tenant(tenant, held_here, seq), _nothing)
 
-    async def charge(self, tenant: str, budget: Budget) -> None:
-        await self._call("charge", lambda: self.primary.charge(tenant, budget),
-                         lambda: self.fallback.charge(tenant, Budget(budget.kind, max(1, self._share(budget.per_min)),
-                                                                     budget.cost)))
+    async def charge(self, tenant: str, budget: Budget) -> Ledger:
+        return await self._call("charge", lambda: self.primary.charge(tenant, budget),
+                                lambda: self.fallback.charge(tenant, self._shared_out(budget)))
+
+    async def give_back(self, tenant: str, budget: Budget, ledger: Ledger) -> None:
+        if ledger == "local":  # taken by the fallback in an outage: given back there, whether Redis is back or not
+            await self.fallback.give_back(tenant, self._shared_out(budget), "local")
+            return
+        try:  # taken by Redis: given back to Redis or not at all (to the fallback it would be a gift)
+            await self.primary.give_back(tenant, budget, "shared")
+        except _FAILURES as exc:
+            self._on_error("give_back")
+            self._mark_down(exc)
+
+    def _shared_out(self, budget: Budget) -> Budget:
+        """The budget as this replica's share of it (what the fallback holds in an outage)."""
+        return Budget(budget.kind, max(1, self._share(budget.per_min)), budget.cost)
 
     async def sync(self, report: FleetReport) -> FleetView:
         async def remembered() -> FleetView:

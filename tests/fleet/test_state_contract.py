@@ -91,6 +91,23 @@ def test_output_tokens_charged_later_block_new_requests_while_in_debt(on_each_ba
     on_each_backend(scenario)
 
 
+def test_a_charge_given_back_goes_to_the_store_that_took_it_and_never_fills_a_bucket_beyond_its_size(
+        on_each_backend: Callable[[Scenario], None]) -> None:
+    async def scenario(state: FleetState) -> None:
+        check = Budget("output_tokens", 60, 0)
+        ledger = await state.charge("t", Budget("output_tokens", 60, 120))  # 60 in debt
+        assert ledger == ("shared" if state.shared else "local")
+        other = "local" if ledger == "shared" else "shared"
+        await state.give_back("t", Budget("output_tokens", 60, 120), other)  # not this store's: nothing back
+        assert not (await state.admit_tenant("t", [check], None)).admitted
+        await state.give_back("t", Budget("output_tokens", 60, 1_000_000), ledger)  # back, but only to full
+        for _ in range(60):  # 60 requests of one token each fit in a full bucket of 60, and no more
+            assert (await state.admit_tenant("t", [Budget("output_tokens", 60, 1)], None)).admitted
+        assert not (await state.admit_tenant("t", [Budget("output_tokens", 60, 1)], None)).admitted
+
+    on_each_backend(scenario)
+
+
 def test_concurrency_slots_are_taken_and_given_back(on_each_backend: Callable[[Scenario], None]) -> None:
     async def scenario(state: FleetState) -> None:
         # The caller says how many of the tenant's requests it already holds (the limiter's own count).

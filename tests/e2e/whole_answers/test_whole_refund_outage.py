@@ -45,8 +45,6 @@ def _level(client: Any) -> float:
     return float(client.hget("kvgate:bucket:owes", "output_tokens:l"))
 
 
-@pytest.mark.xfail(strict=True, reason="TenantPass.release refunds through whichever store is up now, not the one "
-                   "that took the up-front charge (hostile review edge25: LOW, fix proposed, not made)")
 def test_a_reserve_charged_during_an_outage_is_not_refunded_to_redis(setup: Any) -> None:
     redis, gateway = setup
     client = redis.client()
