@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from gateway.commands.supervisor import serve
 from gateway.config import ModelConfig, PrefillWorkerConfig, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: gateway/commands/demo.py
 DEMO_CONFIG = ROOT / "config" / "demo.yaml"
 DEMO_POOL_TOKENS = 681_280
 _READY_PREFIX = "kvgate-engine ready"
