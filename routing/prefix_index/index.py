@@ -108,18 +108,80 @@ class _Generations:
         self._old.clear()
 
 
-class _Evictions:
-    """The index's clock and the blocks (namespace-blind keys) the engine reported evicted, each stamped with the
-    clock when it was. Bounded like `_Generations`; a mark that ages out raises `floor` to it instead of vanishing,
-    so forgetting an eviction lowers every older prediction rather than bringing one back."""
+class _Copies:
+    """Per namespace-blind block key, the send stamps of the copies kvgate sent that no eviction was attributed to
+    yet (one per namespace: a namespace sending the block again touches its own copy), oldest first. A single copy is
+    stored as its stamp, several as a sorted list. Bounded like `_Generations` by blind key; a key forgotten is
+    *unknown*: an eviction of it cannot be attributed, and lowers every copy of it."""
 
-    __slots__ = ("_half", "_old", "_young", "_young_since", "floor", "now")
+    __slots__ = ("_half", "_old", "_young")
+
+    def __init__(self, capacity: int) -> None:
+        self._half = max(1, capacity // 2)
+        self._young: dict[int, int | list[int]] = {}
+        self._old: dict[int, int | list[int]] = {}
+
+    def touch(self, key: int, previous: int, stamp: int) -> None:
+        """The copy last sent at `previous` (0: none) is sent again at `stamp`, later than every stamp held."""
+        young = self._young
+        copies = young.get(key)
+        if copies is None:
+            copies = self._old.pop(key, None)
+        if copies is None or copies == previous:
+            young[key] = stamp
+        else:
+            if isinstance(copies, int):
+                copies = [copies]
+            if previous:
+                try:
+                    copies.remove(previous)
+                except ValueError:
+                    pass  # already attributed evicted (or forgotten with the sent key): a new copy
+            copies.append(stamp)
+            young[key] = copies[0] if len(copies) == 1 else copies
+        if len(young) >= self._half:
+            self._old, self._young = young, {}
+
+    def oldest(self, key: int) -> int | None:
+        """Take the oldest copy of `key` (the one an LRU cache evicts first) and give its stamp; None when kvgate
+        knows no copy of it (never sent, every copy already attributed evicted, or forgotten)."""
+        for generation in (self._young, self._old):
+            copies = generation.get(key)
+            if copies is None:
+                continue
+            if isinstance(copies, int):
+                del generation[key]
+                return copies
+            first = copies.pop(0)
+            generation[key] = copies[0] if len(copies) == 1 else copies
+            return first
+        return None
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def clear(self) -> None:
+        self._young.clear()
+        self._old.clear()
+
+
+class _Evictions:
+    """The index's clock and, per block (namespace-blind key) the engine reported evicted, the send stamp of the
+    latest copy its evictions were attributed to: copies sent at or before it count as evicted. An eviction of a block
+    is attributed to the copy of it kvgate sent least recently (SGLang's radix cache evicts least-recently-used leaves
+    first), so one namespace's copy going lowers no other namespace's prediction; when kvgate knows of no copy (it
+    forgot, or never sent one) every copy counts as evicted. Bounded like `_Generations`; a mark that ages out raises
+    `floor` to the clock when its half began instead of vanishing, so forgetting an eviction lowers every older
+    prediction rather than bringing one back."""
+
+    __slots__ = ("_half", "_old", "_young", "_young_since", "copies", "floor", "now")
 
     def __init__(self, capacity: int) -> None:
         self._half = max(1, capacity // 2)
         self._young: dict[int, int] = {}
         self._old: dict[int, int] = {}
         self._young_since = 0  # the clock when the young half was started: no mark in the old half is later
+        self.copies = _Copies(capacity)
         self.floor = 0  # every sent block stamped at or before it counts as evicted
         self.now = 0
 
@@ -129,7 +191,9 @@ class _Evictions:
         return self.now
 
     def mark(self, key: int) -> None:
-        self._young[key] = self.now
+        """One copy of the block was evicted: the least recently sent one, or, when none is known, every one."""
+        victim = self.copies.oldest(key)
+        self._young[key] = max(self._young.get(key, 0), self._old.get(key, 0), self.now if victim is None else victim)
         if len(self._young) >= self._half:
             self.floor = max(self.floor, self._young_since)  # the old half's marks, none later, are dropped
             self._old, self._young, self._young_since = self._young, {}, self.now
@@ -139,7 +203,8 @@ class _Evictions:
         self.floor = max(self.floor, self.now)
 
     def at(self, key: int) -> int:
-        """The clock at the block's last reported eviction (or the floor): it counts only if sent after."""
+        """The stamp up to which copies of the block count as evicted (or the floor): a copy counts only if sent
+        after."""
         stamp = self._young.get(key)
         if stamp is None:
             stamp = self._old.get(key, 0)
@@ -285,14 +350,22 @@ class CacheIndex:
 
     def record(self, prompt: PromptTokens) -> None:
         """The prompt was sent to this worker: its prefill will hold the prompt's blocks in its namespace."""
-        self._sent.add(prompt.keys(self.block_tokens), self._evictions.tick())
+        keys = prompt.keys(self.block_tokens)
+        stamp = self._evictions.tick()
+        previous = self._sent.stamp
+        touch = self._evictions.copies.touch
+        for key, blind in zip(keys, prompt.keys(self.block_tokens, namespaced=False)):
+            touch(blind, previous(key), stamp)  # the namespace's own copy, touched: now the most recently used
+        self._sent.add(keys, stamp)
 
     def forget_sent(self) -> None:
         """The engine's cache is empty (a restart, a flush): nothing kvgate sent before is there any more."""
         self._sent.clear()
+        self._evictions.copies.clear()
 
     def reset(self) -> None:
         self._sent.clear()
+        self._evictions.copies.clear()
         for rank in self.ranks:
             rank.clear()
 
