@@ -87,6 +87,10 @@ class _Generations:
             if len(self._young) >= self._half:
                 self._old, self._young = self._young, {}
 
+    def halves(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The young and the old half (a key in both: the young one's stamp is its latest)."""
+        return self._young, self._old
+
     def discard(self, key: int) -> None:
         self._young.pop(key, None)
         self._old.pop(key, None)
@@ -129,29 +133,32 @@ class _Copies:
         self._young_since = 0
         self.floor = 0
 
-    def touch(self, key: int, previous: int, stamp: int) -> None:
-        """The copy last sent at `previous` (0: none) is sent again at `stamp`, later than every stamp held."""
-        young = self._young
-        copies = young.get(key)
-        if copies is None:
-            copies = self._old.pop(key, None)
-        if copies is None or copies == previous:
-            young[key] = stamp
-        else:
-            if isinstance(copies, int):
-                copies = [copies]
-            if previous:
-                try:
-                    copies.remove(previous)
-                except ValueError:
-                    pass  # already attributed evicted (or forgotten with the sent key): a new copy
-            copies.append(stamp)
-            if len(copies) > MAX_COPIES:  # more namespaces (or copies forgotten by the sent view) than kept
-                del copies[0]
-            young[key] = copies[0] if len(copies) == 1 else copies
-        if len(young) >= self._half:
-            self.floor = max(self.floor, self._young_since)
-            self._old, self._young, self._young_since = young, {}, stamp
+    def touch(self, keys: list[int], previous: list[int], stamp: int) -> None:
+        """The copies of `keys` last sent at `previous` (0: none) are sent again at `stamp`, later than every stamp
+        held. Per request: the common case (the block's only copy is this one, or none) is one lookup and a store."""
+        young, old, half = self._young, self._old, self._half
+        for key, last in zip(keys, previous):
+            copies = young.get(key)
+            if copies is None:
+                copies = old.pop(key, None)
+            if copies is None or copies == last:
+                young[key] = stamp
+            else:
+                if isinstance(copies, int):
+                    copies = [copies]
+                if last:
+                    try:
+                        copies.remove(last)
+                    except ValueError:
+                        pass  # already attributed evicted: a new copy
+                copies.append(stamp)
+                if len(copies) > MAX_COPIES:  # more namespaces than kept: the oldest order is forgotten
+                    del copies[0]
+                young[key] = copies[0] if len(copies) == 1 else copies
+            if len(young) >= half:
+                self.floor = max(self.floor, self._young_since)
+                old, young = young, {}
+                self._old, self._young, self._young_since = old, young, stamp
 
     def oldest(self, key: int) -> int | None:
         """Take the oldest copy of `key` (the one an LRU cache evicts first) and give its stamp; None when kvgate
@@ -347,6 +354,8 @@ class CacheIndex:
         """A new view of one publishing rank's cache (the KV-event subscriber fills it), one of `of_ranks`."""
         # Twice the pool in pages (a margin for events that trail: hashes shared by namespaces count once here),
         # and never more than the rank's share of the bytes.
+        if not self.ranks and len(self._sent):  # sent before any copy's order was kept: none of it can be attributed
+            self._evictions.copies.floor = max(self._evictions.copies.floor, self._evictions.now)
         pool_pages = 2 * self.pool_blocks * self.block_tokens // self.page_size
         view = HeldBlocks(self.block_tokens, self._evictions,
                           max_pages=max(1, min(pool_pages, self._view_bytes // max(1, of_ranks) // PAGE_BYTES)))
@@ -372,10 +381,10 @@ class CacheIndex:
         """The prompt was sent to this worker: its prefill will hold the prompt's blocks in its namespace."""
         keys = prompt.keys(self.block_tokens)
         stamp = self._evictions.tick()
-        previous = self._sent.stamp
-        touch = self._evictions.copies.touch
-        for key, blind in zip(keys, prompt.keys(self.block_tokens, namespaced=False)):
-            touch(blind, previous(key), stamp)  # the namespace's own copy, touched: now the most recently used
+        if self.ranks:  # the order of copies matters only to attribute the engine's evictions
+            young, old = self._sent.halves()
+            previous = [young.get(key) or old.get(key, 0) for key in keys]  # the namespace's copy, touched again
+            self._evictions.copies.touch(prompt.keys(self.block_tokens, namespaced=False), previous, stamp)
         self._sent.add(keys, stamp)
 
     def forget_sent(self) -> None:
