@@ -20,7 +20,8 @@ class CacheAware:
 
     Each prefill is scored in prompt tokens: its queued uncached work from this gateway (`Worker.prefill_backlog`,
     a GPU prefills one batch at a time), plus the part of this prompt it does not hold, plus SPREAD_WEIGHT times the
-    tokens its cache index holds beyond the emptiest one's. The lowest score wins; ties go to the longer match, then
+    tokens its cache index holds beyond the emptiest one's, at most the prompt's tokens (an index that claims to be
+    empty must not draw the traffic: see `pick`). The lowest score wins; ties go to the longer match, then
     the fewer requests in flight (other replicas' included), then round robin. So the longest match wins while loads
     are even, a hot prefix spills once queueing costs more than recomputing it, and with nothing cached it is the
     least loaded engine by work. The pick is recorded in the worker's index: its prefill will hold the prompt next.
@@ -40,8 +41,12 @@ class CacheAware:
         matches = [_match(worker, prompt) for worker in rotated]
         held = [_held_tokens(worker) for worker in rotated]
         emptiest = min(held)
-        ranks = [(w.prefill_backlog + prompt.tokens - cached + SPREAD_WEIGHT * (tokens - emptiest), -cached,
-                  w.fleet_in_flight) for w, cached, tokens in zip(rotated, matches, held)]
+        # The spread term is capped at the prompt's own tokens: a prefill whose index claims to be empty (its events
+        # keep reporting its cache cleared, or its /server_info a tiny pool) wins a cold prompt by at most
+        # SPREAD_WEIGHT of that prompt's tokens of queued work, so load, not its claim, decides among cold prefills.
+        spread = prompt.tokens
+        ranks = [(w.prefill_backlog + prompt.tokens - cached + SPREAD_WEIGHT * min(tokens - emptiest, spread),
+                  -cached, w.fleet_in_flight) for w, cached, tokens in zip(rotated, matches, held)]
         at = min(range(n), key=ranks.__getitem__)
         best = rotated[at]
         prompt.predicted_cached = matches[at]

@@ -8,15 +8,19 @@ request's `extra_key` (0.5.8 `RadixCache._record_store_event` hashes token ids o
 - *sent*: the prompts kvgate sent to the worker, keyed per namespace, bounded by the engine's pool. A tenant is only
   ever routed by its own namespace's entries here, never by another tenant's pages.
 - *held*: what the engine itself reports stored and evicted (namespace-blind), from its KV events. Being blind, an
-  event may only ever lower a namespace's prediction, never raise it: a page the engine reports evicted counts for
-  no namespace that sent it before (the event cannot say whose copy went: with equal prompts in two namespaces it may
-  have been either), until that namespace sends it again; a page reported stored raises nothing (it may be another
-  namespace's copy). Otherwise tenant B's copy of a prefix would keep alive, or revive, the prediction of A's copy
-  the engine evicted, and A could read B's traffic from its own predicted match. Blocks kvgate just sent count before
-  their BlockStored arrives (events trail the answer by a scheduler step).
+  event may only ever lower a namespace's prediction, never raise it: a page reported stored raises nothing (it may
+  be another namespace's copy), and a page reported evicted is attributed to the copy of it kvgate sent least
+  recently (SGLang's radix cache evicts least-recently-used leaves first; kvgate sent every copy, so it knows their
+  order): that namespace's copy stops counting until it sends the page again, and no other namespace's prediction
+  moves. So A's prediction follows its own copy's estimated fate, not whether B sent an equal prompt: B's older copy
+  goes first, and B's newer copy leaves A's copy the oldest, evicted first as it would be without B. When kvgate
+  knows no copy of the page (it never sent one, or forgot the page under its memory bound) the eviction counts
+  against every copy. Blocks kvgate just sent count before their BlockStored arrives (events trail the answer by a
+  scheduler step).
 
-A block is predicted cached when *sent* has it for the request's namespace and no eviction of it was reported since
-that namespace last sent it (a clock: each record ticks it, each eviction is stamped with it). The mode says how
+A block is predicted cached when *sent* has it for the request's namespace and no eviction attributed to that copy
+(or to every copy) was reported since that namespace last sent it (a clock: each record ticks it and stamps the
+copies; each eviction marks the block with the stamp of the copy it took). The mode says how
 much of the engine's history the events cover: all of it since the engine's cache was last empty (*exact*), or not
 (*partial*: kvgate subscribed late, or lost batches it could not replay, so an eviction of a page stored before then
 cannot be placed and is not seen).
@@ -83,6 +87,10 @@ class _Generations:
             if len(self._young) >= self._half:
                 self._old, self._young = self._young, {}
 
+    def halves(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The young and the old half (a key in both: the young one's stamp is its latest)."""
+        return self._young, self._old
+
     def discard(self, key: int) -> None:
         self._young.pop(key, None)
         self._old.pop(key, None)
@@ -108,18 +116,93 @@ class _Generations:
         self._old.clear()
 
 
-class _Evictions:
-    """The index's clock and the blocks (namespace-blind keys) the engine reported evicted, each stamped with the
-    clock when it was. Bounded like `_Generations`; a mark that ages out raises `floor` to it instead of vanishing,
-    so forgetting an eviction lowers every older prediction rather than bringing one back."""
+class _Copies:
+    """Per namespace-blind block key, the send stamps of the copies kvgate sent that no eviction was attributed to
+    yet (one per namespace: a namespace sending the block again touches its own copy), oldest first. A single copy is
+    stored as its stamp, several as a sorted list of at most MAX_COPIES. Bounded like `_Generations` by blind key:
+    dropping the old half raises `floor` to the clock when the young one began (no copy of a key dropped was sent
+    later), so every copy whose order is forgotten counts as evicted at once, whoever else sent the block — never
+    later, when an eviction of it could no longer be attributed (that would lower A's copy when B's went)."""
 
-    __slots__ = ("_half", "_old", "_young", "_young_since", "floor", "now")
+    __slots__ = ("_half", "_old", "_young", "_young_since", "floor")
 
     def __init__(self, capacity: int) -> None:
+        self._half = max(1, capacity // 2)
+        self._young: dict[int, int | list[int]] = {}
+        self._old: dict[int, int | list[int]] = {}
+        self._young_since = 0
+        self.floor = 0
+
+    def touch(self, keys: list[int], previous: list[int], stamp: int) -> None:
+        """The copies of `keys` last sent at `previous` (0: none) are sent again at `stamp`, later than every stamp
+        held. Per request: the common case (the block's only copy is this one, or none) is one lookup and a store."""
+        young, old, half = self._young, self._old, self._half
+        for key, last in zip(keys, previous):
+            copies = young.get(key)
+            if copies is None:
+                copies = old.pop(key, None)
+            if copies is None or copies == last:
+                young[key] = stamp
+            else:
+                if isinstance(copies, int):
+                    copies = [copies]
+                if last:
+                    try:
+                        copies.remove(last)
+                    except ValueError:
+                        pass  # already attributed evicted: a new copy
+                copies.append(stamp)
+                if len(copies) > MAX_COPIES:  # more namespaces than kept: the oldest order is forgotten
+                    del copies[0]
+                young[key] = copies[0] if len(copies) == 1 else copies
+            if len(young) >= half:
+                self.floor = max(self.floor, self._young_since)
+                old, young = young, {}
+                self._old, self._young, self._young_since = old, young, stamp
+
+    def oldest(self, key: int) -> int | None:
+        """Take the oldest copy of `key` (the one an LRU cache evicts first) and give its stamp; None when kvgate
+        knows no copy of it (never sent, every copy already attributed evicted, or forgotten)."""
+        for generation in (self._young, self._old):
+            copies = generation.get(key)
+            if copies is None:
+                continue
+            if isinstance(copies, int):
+                del generation[key]
+                return copies
+            first = copies.pop(0)
+            generation[key] = copies[0] if len(copies) == 1 else copies
+            return first
+        return None
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def clear(self) -> None:
+        self._young.clear()
+        self._old.clear()
+
+
+MAX_COPIES = 256  # copies of one block whose send order is kept (one per namespace that sent it)
+
+
+class _Evictions:
+    """The index's clock and, per block (namespace-blind key) the engine reported evicted, the send stamp of the
+    latest copy its evictions were attributed to: copies sent at or before it count as evicted. An eviction of a block
+    is attributed to the copy of it kvgate sent least recently (SGLang's radix cache evicts least-recently-used leaves
+    first), so one namespace's copy going lowers no other namespace's prediction; when kvgate knows of no copy (it
+    forgot, or never sent one) every copy counts as evicted. Bounded like `_Generations`; a mark that ages out raises
+    `floor` to the clock when its half began instead of vanishing, so forgetting an eviction lowers every older
+    prediction rather than bringing one back."""
+
+    __slots__ = ("_half", "_old", "_young", "_young_since", "copies", "floor", "now")
+
+    def __init__(self, capacity: int, *, copies: int) -> None:
         self._half = max(1, capacity // 2)
         self._young: dict[int, int] = {}
         self._old: dict[int, int] = {}
         self._young_since = 0  # the clock when the young half was started: no mark in the old half is later
+        self.copies = _Copies(copies)
         self.floor = 0  # every sent block stamped at or before it counts as evicted
         self.now = 0
 
@@ -129,7 +212,9 @@ class _Evictions:
         return self.now
 
     def mark(self, key: int) -> None:
-        self._young[key] = self.now
+        """One copy of the block was evicted: the least recently sent one, or, when none is known, every one."""
+        victim = self.copies.oldest(key)
+        self._young[key] = max(self._young.get(key, 0), self._old.get(key, 0), self.now if victim is None else victim)
         if len(self._young) >= self._half:
             self.floor = max(self.floor, self._young_since)  # the old half's marks, none later, are dropped
             self._old, self._young, self._young_since = self._young, {}, self.now
@@ -139,11 +224,12 @@ class _Evictions:
         self.floor = max(self.floor, self.now)
 
     def at(self, key: int) -> int:
-        """The clock at the block's last reported eviction (or the floor): it counts only if sent after."""
+        """The stamp up to which copies of the block count as evicted (or the floor): a copy counts only if sent
+        after."""
         stamp = self._young.get(key)
         if stamp is None:
             stamp = self._old.get(key, 0)
-        return max(stamp, self.floor)  # a mark older than a floor raised since says less than the floor
+        return max(stamp, self.floor, self.copies.floor)  # a mark older than a floor says less than the floor
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
@@ -155,7 +241,7 @@ class HeldBlocks:
     An engine page's hash maps to where it ends in kvgate's chain: the key of the last whole block before it and the
     tokens after that block (a page smaller than a block ends mid-block). Reference counts, because equal prompts
     in two namespaces are two radix nodes with one published hash. Evictions go to the index's `_Evictions`, shared
-    by every rank: a removal of any copy marks the block (see the module docstring)."""
+    by every rank: a removal marks the block for the copy kvgate sent least recently (see the module docstring)."""
 
     __slots__ = ("_blocks", "_evictions", "_max_pages", "_pages", "block_tokens", "overflows", "unplaced")
 
@@ -245,16 +331,21 @@ class CacheIndex:
     data-parallel rank publishing events (each rank has its own radix cache): an eviction on any rank lowers.
 
     Bounded by the engine's pool (its claim) and by `max_bytes`, whichever is less: an eighth of it each for the
-    sent keys and the eviction marks, the rest for the engine views, shared by the ranks."""
+    sent keys, the copies' send order and the eviction marks, the rest for the engine views, shared by the ranks."""
 
     def __init__(self, *, page_size: int, capacity_tokens: int, max_bytes: int = DEFAULT_INDEX_BYTES) -> None:
         self.page_size = max(1, page_size)
         self.block_tokens = block_tokens_for(self.page_size)
         self.pool_blocks = max(1, capacity_tokens // self.block_tokens)
-        self.capacity_blocks = min(self.pool_blocks, max(1, max_bytes // 8 // KEY_BYTES))
-        self._view_bytes = max_bytes - 2 * (max_bytes // 8)
+        # Twice the pool: a key forgotten then had a pool's worth of blocks sent after it, so an LRU engine has
+        # evicted it too. The copies' send order (below) must outlive the copies: forgetting one still held would
+        # attribute its eviction to a newer copy, another namespace's, and that namespace's prediction would read
+        # whether the forgotten copy existed. Under a smaller byte budget this no longer holds, and the floors
+        # lower every copy whose order is forgotten, at once.
+        self.capacity_blocks = min(2 * self.pool_blocks, max(1, max_bytes // 8 // KEY_BYTES))
+        self._view_bytes = max_bytes - 3 * (max_bytes // 8)
         self._sent = _Generations(self.capacity_blocks)  # namespaced key → the clock when last sent
-        self._evictions = _Evictions(self.capacity_blocks)
+        self._evictions = _Evictions(self.capacity_blocks, copies=self.capacity_blocks)
         self.ranks: list[HeldBlocks] = []
         self.mode = CacheMode.APPROXIMATE
         self.events_refused: str | None = None  # why the engine's KV events are not followed (None: they are)
@@ -263,6 +354,8 @@ class CacheIndex:
         """A new view of one publishing rank's cache (the KV-event subscriber fills it), one of `of_ranks`."""
         # Twice the pool in pages (a margin for events that trail: hashes shared by namespaces count once here),
         # and never more than the rank's share of the bytes.
+        if not self.ranks and len(self._sent):  # sent before any copy's order was kept: none of it can be attributed
+            self._evictions.copies.floor = max(self._evictions.copies.floor, self._evictions.now)
         pool_pages = 2 * self.pool_blocks * self.block_tokens // self.page_size
         view = HeldBlocks(self.block_tokens, self._evictions,
                           max_pages=max(1, min(pool_pages, self._view_bytes // max(1, of_ranks) // PAGE_BYTES)))
@@ -275,7 +368,8 @@ class CacheIndex:
         if not keys or not self._sent.stamp(keys[0]):
             return 0
         evictions = self._evictions
-        if not evictions.floor and not len(evictions):  # no eviction ever reported: what kvgate sent
+        if not evictions.floor and not len(evictions) and not evictions.copies.floor:  # no eviction ever reported,
+            # no copy's order forgotten: what kvgate sent
             return self._sent.prefix_depth(keys) * self.block_tokens
         # Sent by this namespace after the engine last reported the block evicted (from any copy, on any rank), in
         # every mode: a publisher that falls silent does not make what it reported evicted count again.
@@ -285,14 +379,22 @@ class CacheIndex:
 
     def record(self, prompt: PromptTokens) -> None:
         """The prompt was sent to this worker: its prefill will hold the prompt's blocks in its namespace."""
-        self._sent.add(prompt.keys(self.block_tokens), self._evictions.tick())
+        keys = prompt.keys(self.block_tokens)
+        stamp = self._evictions.tick()
+        if self.ranks:  # the order of copies matters only to attribute the engine's evictions
+            young, old = self._sent.halves()
+            previous = [young.get(key) or old.get(key, 0) for key in keys]  # the namespace's copy, touched again
+            self._evictions.copies.touch(prompt.keys(self.block_tokens, namespaced=False), previous, stamp)
+        self._sent.add(keys, stamp)
 
     def forget_sent(self) -> None:
         """The engine's cache is empty (a restart, a flush): nothing kvgate sent before is there any more."""
         self._sent.clear()
+        self._evictions.copies.clear()
 
     def reset(self) -> None:
         self._sent.clear()
+        self._evictions.copies.clear()
         for rank in self.ranks:
             rank.clear()
 

@@ -20,6 +20,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -55,6 +57,12 @@ _RECEIVE_HWM = 64
 # so an engine claiming more (its /server_info's dp_size) is refused rather than followed.
 MAX_EVENT_RANKS = 64
 _SOCKETS_PER_RANK = 4  # the SUB, its monitor's two ends (one inside libzmq), a replay's DEALER
+# An engine whose events report its cache emptied (a live AllBlocksCleared, a sequence that starts over) more than
+# MAX_EMPTIED times in EMPTIED_WINDOW_S is faulty or lying: a real restart takes minutes and a flush is an operator's
+# act. Each report would wipe what kvgate sent there and make that prefill the emptiest index again, so its events
+# are refused from then on (the worker routes by what kvgate sent, as without events) until it rejoins rotation.
+MAX_EMPTIED = 3
+EMPTIED_WINDOW_S = 60.0
 
 
 def _bounded(socket: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
@@ -136,6 +144,8 @@ class KvEventSubscriber:
         self._ranks = [_Rank(endpoint, index.engine_view(of_ranks=len(endpoints))) for endpoint in endpoints]
         self._mode_logged: CacheMode | None = None
         self._closed = False
+        self._emptied: deque[float] = deque()  # when the engine last reported its cache emptied (monotonic)
+        self.refused: str | None = None  # why this publisher's events are no longer followed
 
     def start(self) -> None:
         """Subscribe to every rank; on any failure (a bad endpoint, no sockets or file descriptors left) nothing
@@ -193,7 +203,7 @@ class KvEventSubscriber:
 
     @property
     def mode(self) -> CacheMode:
-        if not self._ranks or not all(rank.live for rank in self._ranks):
+        if self.refused is not None or not self._ranks or not all(rank.live for rank in self._ranks):
             return CacheMode.APPROXIMATE
         return CacheMode.EXACT if all(rank.complete for rank in self._ranks) else CacheMode.PARTIAL
 
@@ -235,6 +245,8 @@ class KvEventSubscriber:
         self._update_mode()
 
     async def _on_message(self, rank: _Rank, frames: list[bytes]) -> None:
+        if self.refused is not None:
+            return
         if len(frames) != 3:
             self.stats.malformed += 1
             return
@@ -251,6 +263,8 @@ class KvEventSubscriber:
             # The sequence restarts with the engine process.
             self.stats.restarts += 1
             log.info("KV events of %s: the publisher restarted (sequence %d after %d)", self.name, seq, expected)
+            if not self._reported_emptied("sequence restarts"):
+                return
             self._engine_emptied()
             expected = None
         if expected is None:
@@ -277,6 +291,8 @@ class KvEventSubscriber:
         One pass, event by event, a coalesced node in slices of pages, handing the loop over every few ms: the
         largest batch the caps allow never holds the loop, and no decoded event outlives its application (a batch
         kept whole would be ~1M tracked objects for the garbage collector's full passes to walk)."""
+        if self.refused is not None:
+            return False
         rank.next_seq = seq + 1
         rank.reconnected = False
         self.stats.batches += 1
@@ -307,6 +323,8 @@ class KvEventSubscriber:
                             work = 0
                             await asyncio.sleep(0)
                 elif isinstance(event, Cleared):
+                    if not history and not self._reported_emptied("AllBlocksCleared"):
+                        return False
                     self._engine_emptied(forget_sent=not history)
                     rank.complete = True
                 if work >= _APPLY_YIELD_PAGES:
@@ -322,6 +340,26 @@ class KvEventSubscriber:
                 rank.complete = False
                 log.warning("KV events of %s: more pages stored than the pool holds; view dropped", self.name)
         return True
+
+    def _reported_emptied(self, what: str) -> bool:
+        """The engine reports its cache emptied; False (and its events refused from now on) when it has done so more
+        than MAX_EMPTIED times in EMPTIED_WINDOW_S."""
+        now = time.monotonic()
+        emptied = self._emptied
+        emptied.append(now)
+        while emptied and emptied[0] <= now - EMPTIED_WINDOW_S:
+            emptied.popleft()
+        if len(emptied) <= MAX_EMPTIED:
+            return True
+        self.refused = (f"cache reported emptied {len(emptied)} times in {EMPTIED_WINDOW_S:.0f} s ({what}): "
+                        "a faulty publisher")
+        self.index.events_refused = self.refused
+        log.warning("KV events of %s: %s; its events are refused, routing by what kvgate sent", self.name,
+                    self.refused)
+        for rank in self._ranks:  # the placement of its pages is no longer followed; the eviction marks stay
+            rank.view.clear()
+        self._update_mode()
+        return False
 
     def _engine_emptied(self, *, forget_sent: bool = True) -> None:
         for rank in self._ranks:  # a flush or a restart empties every rank's cache
@@ -375,7 +413,7 @@ class KvEventSubscriber:
         """At once, then every `liveness_s`: is the publisher there, and did a dropped message hide batches at the
         stream's end? Before any batch arrived, everything it still buffers is asked for: a publisher whose buffer
         starts at sequence 0 (or is empty) has told kvgate its whole history."""
-        while True:
+        while self.refused is None:
             try:
                 async with rank.lock:
                     first = rank.next_seq is None

@@ -147,8 +147,8 @@ def test_cache_aware_index_bytes_bounds_each_prefills_views_below_what_its_pool_
         assert predicted_for(gateway, conversation(5, 2)) > 0
         for worker in gateway.gateway.models["glm-5"].pool.prefill:
             assert worker.cache_index is not None
-            # 40,000 pool tokens at page size 1 would allow 80,000 pages a view; 3/4 MiB at 256 B a page: 3,072.
-            assert [view._max_pages for view in worker.cache_index.ranks] == [3072]
+            # 40,000 pool tokens at page size 1 would allow 80,000 pages a view; 5/8 MiB at 256 B a page: 2,560.
+            assert [view._max_pages for view in worker.cache_index.ranks] == [2560]
 
 
 def test_configured_kv_events_endpoints_are_the_ones_subscribed(

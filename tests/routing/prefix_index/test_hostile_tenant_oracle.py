@@ -4,6 +4,11 @@ is routed to, in its latency), must learn nothing of whether tenant B sent a pro
 
 from __future__ import annotations
 
+import random
+from collections import OrderedDict
+
+import pytest
+
 from routing.policies import RouteKey
 from routing.policies.cache_aware import CacheAware
 from routing.pools import Lease, WorkerPair
@@ -56,6 +61,54 @@ def test_whether_b_sent_a_prefix_does_not_change_where_a_is_routed() -> None:
         chosen = CacheAware().pick(workers, RouteKey(prompt=probe))
         picked[b_sent] = (chosen is holder, probe.predicted_cached)
     assert picked[True] == picked[False], f"A's routing reads B's traffic: {picked}"
+
+
+class _LruEngine:
+    """An LRU radix cache of whole prompts (no two share a prefix unless equal), one copy per (namespace, prompt),
+    publishing SGLang's blind page hashes: what kvgate's index is fed in the attacker's games below."""
+
+    def __init__(self, index: CacheIndex, capacity: int) -> None:
+        self.index, self.capacity = index, capacity
+        self.rank = index.engine_view()
+        index.mode = CacheMode.EXACT
+        self.held: OrderedDict[tuple[str, tuple[int, ...]], None] = OrderedDict()
+
+    def send(self, ids: list[int], namespace: str) -> None:
+        self.index.record(prompt(ids, namespace))
+        entry = (namespace, tuple(ids))
+        if entry in self.held:
+            self.held.move_to_end(entry)
+            return
+        self.held[entry] = None
+        self.rank.store(sglang_page_hashes(ids, 16), None, ids, 16)
+        while len(self.held) > self.capacity:
+            (_, victim), _ = self.held.popitem(last=False)
+            self.rank.remove(sglang_page_hashes(list(victim), 16))
+
+
+@pytest.mark.parametrize("tight", [False, True])
+@pytest.mark.parametrize("seed", range(40))
+def test_no_ordering_of_a_and_b_lets_a_tell_whether_b_sent_its_prefix(seed: int, tight: bool) -> None:
+    """A sends SECRET and junk in any order and at any time; B sends SECRET in one world and an unrelated prompt of
+    the same length in the other, at the same moments (the engine's pressure is the same). A's copies fare the same
+    in both engines, so every prediction A can read must be the same too."""
+    rng = random.Random(seed)
+    junk = [list(range(20_000 + 400 * i, 20_000 + 400 * i + 320)) for i in range(4)]
+    steps = [(rng.random() < 0.5, rng.randrange(5)) for _ in range(60)]
+    capacity = rng.randrange(2, 6)
+    readings = []
+    for b_sends_secret in (False, True):
+        # tight: the pool kvgate is told is the engine's own, so the index's bounded memory forgets as it goes
+        engine = _LruEngine(CacheIndex(page_size=16, capacity_tokens=capacity * 320 if tight else 100_000), capacity)
+        seen = []
+        for is_a, choice in steps:
+            if is_a:
+                engine.send(SECRET if choice == 4 else junk[choice], "tenant-a")
+            else:
+                engine.send((SECRET if b_sends_secret else OTHER) if choice >= 3 else junk[choice], "tenant-b")
+            seen.append(tuple(engine.index.match(prompt(ids, "tenant-a")) for ids in (SECRET, *junk)))
+        readings.append(seen)
+    assert readings[0] == readings[1]
 
 
 def _liar_share(liar_clears: bool) -> float:

@@ -309,3 +309,30 @@ def test_only_the_configured_topic_is_followed() -> None:
             await publisher.close()
 
     asyncio.run(scenario())
+
+
+def test_a_publisher_that_keeps_reporting_its_cache_cleared_is_refused_and_the_sent_view_kept() -> None:
+    asyncio.run(_in_wired(_test_a_publisher_that_keeps_reporting_its_cache_cleared_is_refused_and_the_sent_view_kept))
+
+
+async def _test_a_publisher_that_keeps_reporting_its_cache_cleared_is_refused_and_the_sent_view_kept(
+        wired: Wired) -> None:
+    """Each live AllBlocksCleared wipes what kvgate sent there, so a publisher that kept sending them would keep its
+    prefill the emptiest index (and draw the traffic): past MAX_EMPTIED a minute its events are refused."""
+    from routing.prefix_index.subscriber import MAX_EMPTIED
+    publisher, subscriber, index, _ = wired
+    for _ in range(MAX_EMPTIED):  # a few flushes: an operator's, honoured
+        index.record(prompt(A))
+        await publisher.publish([["AllBlocksCleared"]])
+        await until(lambda: index.match(prompt(A)) == 0)
+    assert subscriber.refused is None and index.events_refused is None
+    index.record(prompt(A))
+    await publisher.publish([["AllBlocksCleared"]])  # one more within the minute: a faulty publisher
+    await until(lambda: subscriber.refused is not None)
+    assert "AllBlocksCleared" in (index.events_refused or "")
+    assert subscriber.mode is CacheMode.APPROXIMATE
+    assert index.match(prompt(A)) == 288  # the sent view is kept
+    await publisher.publish([["AllBlocksCleared"]])
+    await publisher.publish(stored(A, 100))
+    await asyncio.sleep(0.3)
+    assert index.match(prompt(A)) == 288 and index.held_blocks == 0  # nothing more it sends is applied
