@@ -4,6 +4,10 @@ lying prefill can draw."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from routing.policies import RouteKey
 from routing.policies.cache_aware import CacheAware
 from routing.pools import Lease, WorkerPair
@@ -72,3 +76,111 @@ def test_a_prefill_claiming_a_tiny_pool_cannot_draw_most_of_the_traffic_at_low_l
     honest = _liar_share_at_low_load(None)
     lying = _liar_share_at_low_load(64)  # two blocks: its index is always the emptiest, and never holds a turn
     assert lying <= max(0.5, 2 * honest), f"a prefill claiming a tiny pool drew {lying:.0%} (honest: {honest:.0%})"
+
+
+class _RadixEngine:
+    """SGLang's radix cache at block granularity: one tree per namespace (extra_key), a node per 32-token block,
+    a send touches every node on its path (a parent's access time is never older than a child's), eviction takes the
+    least recently used *leaf* not on the request's path, and the events are its blind page hashes, applied at once."""
+
+    def __init__(self, index: CacheIndex, capacity_blocks: int) -> None:
+        self.index, self.capacity = index, capacity_blocks
+        self.rank = index.engine_view()
+        index.mode = CacheMode.EXACT
+        self.clock = 0
+        self.nodes: dict[tuple[str, tuple[int, ...]], int] = {}  # (namespace, block-path) → last access
+
+    def _pages(self, path: tuple[int, ...]) -> tuple[list[int], int | None]:
+        hashes = sglang_page_hashes(list(path), 16)
+        return hashes[-2:], (hashes[-3] if len(hashes) > 2 else None)
+
+    def send(self, ids: list[int], namespace: str) -> None:
+        self.index.record(prompt(ids, namespace))
+        self.clock += 1
+        paths = [tuple(ids[:32 * (i + 1)]) for i in range(len(ids) // 32)]
+        missing = [p for p in paths if (namespace, p) not in self.nodes]
+        for p in paths:
+            if (namespace, p) in self.nodes:
+                self.nodes[(namespace, p)] = self.clock
+        on_path = {(namespace, p) for p in paths}
+        while len(self.nodes) + len(missing) > self.capacity:
+            leaves = [n for n in self.nodes if n not in on_path
+                      and not any(m[0] == n[0] and len(m[1]) == len(n[1]) + 32 and m[1][:len(n[1])] == n[1]
+                                  for m in self.nodes)]
+            victim = min(leaves, key=lambda n: (self.nodes[n], -len(n[1])))
+            del self.nodes[victim]
+            self.rank.remove(self._pages(victim[1])[0])
+        for p in missing:
+            self.nodes[(namespace, p)] = self.clock
+            pages, parent = self._pages(p)
+            self.rank.store(pages, parent, list(p[-32:]), 16)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_tree_shaped_prompts_and_probes_of_any_length_do_not_read_bs_traffic(seed: int) -> None:
+    """A sends P+X, P+Z and P cut at any block; B sends P+Y in one world and Q+Y (Q: unrelated, P's size) in the
+    other. Parent blocks are shared by A's prompts; SGLang evicts leaves first."""
+    rng = random.Random(seed)
+    p, q = list(range(200, 328)), list(range(5000, 5128))  # 4 blocks each
+    x, y, z = list(range(600, 664)), list(range(700, 764)), list(range(800, 864))
+    steps = [(rng.random() < 0.5, rng.randrange(6)) for _ in range(50)]
+    capacity = rng.randrange(6, 20)
+    readings = []
+    for b_sends_p in (False, True):
+        engine = _RadixEngine(CacheIndex(page_size=16, capacity_tokens=100_000), capacity)
+        seen = []
+        for is_a, choice in steps:
+            if is_a:
+                engine.send([p + x, p + z, p[:32], p[:64], p[:96], x + z][choice], "tenant-a")
+            else:
+                engine.send(((p if b_sends_p else q) + y) if choice >= 3 else [x, z, y][choice], "tenant-b")
+            seen.append(tuple(engine.index.match(prompt(ids, "tenant-a")) for ids in (p + x, p + z, p, x + z)))
+        readings.append(seen)
+    assert readings[0] == readings[1]
+
+
+def _a_page_aligned_prompt(b_sent: bool) -> int:
+    """SGLang's prefill caches the whole prompt (`cache_finished_req`: origin_input_ids + output_ids, less the last
+    token generated), so a prompt of a whole number of blocks leaves its last block in the engine; kvgate records
+    only the blocks a later request can hit (all but the last token). A sends P (3 blocks): kvgate knows 2 of them.
+    B sends P+Y, or Q+Y of the same size. The engine evicts A's leaf (its third block, unknown to kvgate): charged
+    to B's copy of it when B sent P. A sends P+X (its copy of block 3 now known), the engine then evicts B's third
+    block, which is charged to A's copy."""
+    index = CacheIndex(page_size=16, capacity_tokens=100_000)
+    rank = index.engine_view()
+    index.mode = CacheMode.EXACT
+    p, q = list(range(200, 296)), list(range(5000, 5096))
+    x, y = list(range(600, 664)), list(range(700, 764))
+    bs = (p if b_sent else q) + y
+    index.record(prompt(p, "tenant-a"))
+    rank.store(sglang_page_hashes(p, 16), None, p, 16)
+    index.record(prompt(bs, "tenant-b"))
+    hashes = sglang_page_hashes(bs, 16)
+    rank.store(hashes, None, bs, 16)
+    a_hashes = sglang_page_hashes(p + x, 16)
+    rank.remove(a_hashes[4:6])  # A's third block: the LRU leaf
+    index.record(prompt(p + x, "tenant-a"))
+    rank.store(a_hashes[4:], a_hashes[3], (p + x)[64:], 16)  # A's third block again, and X
+    rank.remove(hashes[6:])  # B's leaf: Y, or Y
+    rank.remove(hashes[4:6])  # then B's third block (of P, or of Q)
+    return index.match(prompt(p + x, "tenant-a"))
+
+
+def test_a_page_aligned_prompts_last_block_does_not_read_bs_traffic() -> None:
+    seen = {b_sent: _a_page_aligned_prompt(b_sent) for b_sent in (False, True)}
+    assert seen[True] == seen[False], f"A's predicted match reads B's traffic: {seen}"
+
+
+def test_a_block_charged_evicted_mid_prompt_ends_the_match_there() -> None:
+    """Attribution is per block, so the blocks a namespace is predicted to hold need not be a prefix: a block's
+    eviction charged to A's copy while its children are not (another namespace's copy was the one evicted, or the
+    engine's events for the child arrive later). The engine serves a prefix only, so A's match ends at the first
+    block not counted; `prefix_depth`'s galloping assumes the held blocks are a prefix and skips the hole."""
+    index = CacheIndex(page_size=16, capacity_tokens=100_000)
+    rank = index.engine_view()
+    index.mode = CacheMode.EXACT
+    index.record(prompt(SECRET, "tenant-a"))
+    hashes = sglang_page_hashes(SECRET, 16)
+    rank.store(hashes, None, SECRET, 16)
+    rank.remove(hashes[4:6])  # the third block's pages (its children's removals not, or not yet, reported)
+    assert index.match(prompt(SECRET, "tenant-a")) == 64
