@@ -373,18 +373,28 @@ class CacheIndex:
             return self._sent.prefix_depth(keys) * self.block_tokens
         # Sent by this namespace after the engine last reported the block evicted (from any copy, on any rank), in
         # every mode: a publisher that falls silent does not make what it reported evicted count again.
+        # A scan, not `prefix_depth`'s gallop: evictions are charged per block to a copy, so the blocks counted need
+        # not be a prefix (a block charged while its children are not), and the engine serves a prefix only.
         blind = prompt.keys(self.block_tokens, namespaced=False)
         sent, evicted = self._sent.stamp, self._evictions.at
-        return prefix_depth(range(len(keys)), lambda i: sent(keys[i]) > evicted(blind[i])) * self.block_tokens
+        depth = 0
+        for key, blind_key in zip(keys, blind):
+            if sent(key) <= evicted(blind_key):
+                break
+            depth += 1
+        return depth * self.block_tokens
 
     def record(self, prompt: PromptTokens) -> None:
         """The prompt was sent to this worker: its prefill will hold the prompt's blocks in its namespace."""
-        keys = prompt.keys(self.block_tokens)
+        # Every block the engine will hold, the last one of a prompt of whole blocks included: a copy kvgate did not
+        # record would have its eviction charged to another namespace's copy.
+        keys = prompt.keys(self.block_tokens, stored=True)
         stamp = self._evictions.tick()
         if self.ranks:  # the order of copies matters only to attribute the engine's evictions
             young, old = self._sent.halves()
             previous = [young.get(key) or old.get(key, 0) for key in keys]  # the namespace's copy, touched again
-            self._evictions.copies.touch(prompt.keys(self.block_tokens, namespaced=False), previous, stamp)
+            self._evictions.copies.touch(prompt.keys(self.block_tokens, namespaced=False, stored=True), previous,
+                                         stamp)
         self._sent.add(keys, stamp)
 
     def forget_sent(self) -> None:
