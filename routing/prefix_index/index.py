@@ -120,9 +120,10 @@ class _Copies:
     """Per namespace-blind block key, the send stamps of the copies kvgate sent that no eviction was attributed to
     yet (one per namespace: a namespace sending the block again touches its own copy), oldest first. A single copy is
     stored as its stamp, several as a sorted list of at most MAX_COPIES. Bounded like `_Generations` by blind key:
-    dropping the old half raises `floor` to the clock when the young one began (no copy of a key dropped was sent
-    later), so every copy whose order is forgotten counts as evicted at once, whoever else sent the block — never
-    later, when an eviction of it could no longer be attributed (that would lower A's copy when B's went)."""
+    dropping the old half raises `floor` to the last stamp before the young one began (no copy of a key dropped was
+    sent later; halves flip between records), so every copy whose order is forgotten counts as evicted at once,
+    whoever else sent the block — never later, when an eviction of it could no longer be attributed (that would
+    lower A's copy when B's went)."""
 
     __slots__ = ("_half", "_old", "_young", "_young_since", "floor")
 
@@ -130,7 +131,7 @@ class _Copies:
         self._half = max(1, capacity // 2)
         self._young: dict[int, int | list[int]] = {}
         self._old: dict[int, int | list[int]] = {}
-        self._young_since = 0
+        self._young_since = 0  # the stamp of the last record before the young half: every copy it holds is later
         self.floor = 0
 
     def touch(self, keys: list[int], previous: list[int], stamp: int) -> None:
@@ -155,10 +156,10 @@ class _Copies:
                 if len(copies) > MAX_COPIES:  # more namespaces than kept: the oldest order is forgotten
                     del copies[0]
                 young[key] = copies[0] if len(copies) == 1 else copies
-            if len(young) >= half:
-                self.floor = max(self.floor, self._young_since)
-                old, young = young, {}
-                self._old, self._young, self._young_since = old, young, stamp
+        if len(young) >= half:  # between records, never inside one: a record's copies share its stamp, and the
+            # floor must lower every copy of the half dropped and none of the half kept (one record over half at most)
+            self.floor = max(self.floor, self._young_since)
+            self._old, self._young, self._young_since = young, {}, stamp
 
     def oldest(self, key: int) -> int | None:
         """Take the oldest copy of `key` (the one an LRU cache evicts first) and give its stamp; None when kvgate
