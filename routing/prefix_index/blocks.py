@@ -71,11 +71,22 @@ class PromptTokens:
         usable = min(held, self.tokens - 1) if self._whole else held
         return max(0, usable) // block_tokens
 
-    def keys(self, block_tokens: int, *, namespaced: bool = True) -> list[int]:
-        """Chained keys of the cacheable blocks; `namespaced=False` gives the namespace-blind chain of KV events."""
+    def stored_blocks(self, block_tokens: int) -> int:
+        """Whole blocks the engine caches once it has prefilled the prompt: all of them (SGLang's prefill inserts
+        the whole prompt, its last token's KV included), so a prompt of a whole number of blocks leaves one more
+        than a later request can hit."""
+        held = len(self.ids) // _ID_BYTES
+        return (min(held, self.tokens) if self._whole else held) // block_tokens
+
+    def keys(self, block_tokens: int, *, namespaced: bool = True, stored: bool = False) -> list[int]:
+        """Chained keys of the cacheable blocks (`stored`: of the blocks the engine will hold); `namespaced=False`
+        gives the namespace-blind chain of KV events."""
         cached = self._keys.get((block_tokens, namespaced))
         if cached is None:
             seed = namespace_seed(self.namespace) if namespaced else BLIND_SEED
-            cached = chain_keys(self.ids, block_tokens, seed, blocks=self.cacheable_blocks(block_tokens))
+            cached = chain_keys(self.ids, block_tokens, seed, blocks=self.stored_blocks(block_tokens))
             self._keys[(block_tokens, namespaced)] = cached
-        return cached
+        if stored:
+            return cached
+        cacheable = self.cacheable_blocks(block_tokens)
+        return cached if cacheable == len(cached) else cached[:cacheable]

@@ -120,9 +120,10 @@ class _Copies:
     """Per namespace-blind block key, the send stamps of the copies kvgate sent that no eviction was attributed to
     yet (one per namespace: a namespace sending the block again touches its own copy), oldest first. A single copy is
     stored as its stamp, several as a sorted list of at most MAX_COPIES. Bounded like `_Generations` by blind key:
-    dropping the old half raises `floor` to the clock when the young one began (no copy of a key dropped was sent
-    later), so every copy whose order is forgotten counts as evicted at once, whoever else sent the block — never
-    later, when an eviction of it could no longer be attributed (that would lower A's copy when B's went)."""
+    dropping the old half raises `floor` to the last stamp before the young one began (no copy of a key dropped was
+    sent later; halves flip between records), so every copy whose order is forgotten counts as evicted at once,
+    whoever else sent the block — never later, when an eviction of it could no longer be attributed (that would
+    lower A's copy when B's went)."""
 
     __slots__ = ("_half", "_old", "_young", "_young_since", "floor")
 
@@ -130,7 +131,7 @@ class _Copies:
         self._half = max(1, capacity // 2)
         self._young: dict[int, int | list[int]] = {}
         self._old: dict[int, int | list[int]] = {}
-        self._young_since = 0
+        self._young_since = 0  # the stamp of the last record before the young half: every copy it holds is later
         self.floor = 0
 
     def touch(self, keys: list[int], previous: list[int], stamp: int) -> None:
@@ -155,10 +156,10 @@ class _Copies:
                 if len(copies) > MAX_COPIES:  # more namespaces than kept: the oldest order is forgotten
                     del copies[0]
                 young[key] = copies[0] if len(copies) == 1 else copies
-            if len(young) >= half:
-                self.floor = max(self.floor, self._young_since)
-                old, young = young, {}
-                self._old, self._young, self._young_since = old, young, stamp
+        if len(young) >= half:  # between records, never inside one: a record's copies share its stamp, and the
+            # floor must lower every copy of the half dropped and none of the half kept (one record over half at most)
+            self.floor = max(self.floor, self._young_since)
+            self._old, self._young, self._young_since = young, {}, stamp
 
     def oldest(self, key: int) -> int | None:
         """Take the oldest copy of `key` (the one an LRU cache evicts first) and give its stamp; None when kvgate
@@ -373,18 +374,28 @@ class CacheIndex:
             return self._sent.prefix_depth(keys) * self.block_tokens
         # Sent by this namespace after the engine last reported the block evicted (from any copy, on any rank), in
         # every mode: a publisher that falls silent does not make what it reported evicted count again.
+        # A scan, not `prefix_depth`'s gallop: evictions are charged per block to a copy, so the blocks counted need
+        # not be a prefix (a block charged while its children are not), and the engine serves a prefix only.
         blind = prompt.keys(self.block_tokens, namespaced=False)
         sent, evicted = self._sent.stamp, self._evictions.at
-        return prefix_depth(range(len(keys)), lambda i: sent(keys[i]) > evicted(blind[i])) * self.block_tokens
+        depth = 0
+        for key, blind_key in zip(keys, blind):
+            if sent(key) <= evicted(blind_key):
+                break
+            depth += 1
+        return depth * self.block_tokens
 
     def record(self, prompt: PromptTokens) -> None:
         """The prompt was sent to this worker: its prefill will hold the prompt's blocks in its namespace."""
-        keys = prompt.keys(self.block_tokens)
+        # Every block the engine will hold, the last one of a prompt of whole blocks included: a copy kvgate did not
+        # record would have its eviction charged to another namespace's copy.
+        keys = prompt.keys(self.block_tokens, stored=True)
         stamp = self._evictions.tick()
         if self.ranks:  # the order of copies matters only to attribute the engine's evictions
             young, old = self._sent.halves()
             previous = [young.get(key) or old.get(key, 0) for key in keys]  # the namespace's copy, touched again
-            self._evictions.copies.touch(prompt.keys(self.block_tokens, namespaced=False), previous, stamp)
+            self._evictions.copies.touch(prompt.keys(self.block_tokens, namespaced=False, stored=True), previous,
+                                         stamp)
         self._sent.add(keys, stamp)
 
     def forget_sent(self) -> None:
