@@ -151,9 +151,12 @@ class RoutingConfig(_Strict):
     cache_aware_index_bytes: int = Field(1 << 30, ge=1 << 20, description="cache_aware: the most one prefill's "
                                          "cache index may take (~256 B an engine page, shared by its ranks), "
                                          "whatever pool the engine claims")
-    kv_events: Literal["auto", "off"] = Field("auto", description="cache_aware: follow the prefills' KV events "
-                                              "where they publish them (a worker's kv_events, else its "
-                                              "/server_info), or off: route by what kvgate sent alone")
+    kv_events: Literal["auto", "per_block", "off"] = Field(
+        "auto", description="cache_aware: follow the prefills' KV events where they publish them (a worker's "
+        "kv_events, else its /server_info) for what they say of the whole cache (a restart, a clear); per_block: "
+        "also lower a prediction for each block an engine reports evicted (sharper, but SGLang's events do not say "
+        "whose copy went: README lists what another tenant's traffic can then change in a tenant's prediction); "
+        "off: route by what kvgate sent alone")
 
     @model_validator(mode="after")
     def _session_needs_header(self) -> RoutingConfig:

@@ -22,12 +22,14 @@ OnMode = Callable[[Worker, CacheMode], None]
 
 class CacheTracking:
     def __init__(self, *, configured: Mapping[str, EventsEndpoint], liveness_s: float, follow_events: bool = True,
-                 index_bytes: int = DEFAULT_INDEX_BYTES, on_mode: OnMode | None = None) -> None:
+                 index_bytes: int = DEFAULT_INDEX_BYTES, on_mode: OnMode | None = None,
+                 per_block_evictions: bool = False) -> None:
         """`configured`: KV-event endpoints by worker URL, from YAML (others are read from the engine's
         /server_info); `liveness_s`: how soon a silent publisher puts its worker back to approximate mode;
         `follow_events=False`: no subscriber at all (every index routes by what kvgate sent); `index_bytes`: the most
         one worker's index may take, whatever pool its engine claims (divided among its ranks' views)."""
         self._index_bytes = index_bytes
+        self._per_block_evictions = per_block_evictions  # routing.kv_events: per_block (see CacheIndex)
         self._follow_events = follow_events
         self._configured = dict(configured)
         self._liveness_s = liveness_s
@@ -66,7 +68,8 @@ class CacheTracking:
         if identity is None or self._closed or worker not in self._attached:
             return
         index = worker.cache_index = CacheIndex(page_size=identity.page_size, capacity_tokens=identity.pool_tokens,
-                                                max_bytes=self._index_bytes)
+                                                max_bytes=self._index_bytes,
+                                                per_block_evictions=self._per_block_evictions)
         self._drop(worker)
         endpoints = self._endpoints(worker)
         if not endpoints:

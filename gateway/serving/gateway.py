@@ -77,7 +77,8 @@ class Gateway:
                               for url, e in model.config.kv_events_endpoints.items()}
                 model.cache_tracking = CacheTracking(configured=configured,
                                                      liveness_s=config.health_of(model.config).interval_s,
-                                                     follow_events=model.config.routing.kv_events == "auto",
+                                                     follow_events=model.config.routing.kv_events != "off",
+                                                     per_block_evictions=model.config.routing.kv_events == "per_block",
                                                      index_bytes=model.config.routing.cache_aware_index_bytes)
         self.load_pollers: dict[str, LoadPoller] = {}
         self.provenance_checker = ProvenanceChecker(metrics)

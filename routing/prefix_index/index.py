@@ -244,9 +244,10 @@ class HeldBlocks:
     in two namespaces are two radix nodes with one published hash. Evictions go to the index's `_Evictions`, shared
     by every rank: a removal marks the block for the copy kvgate sent least recently (see the module docstring)."""
 
-    __slots__ = ("_blocks", "_evictions", "_max_pages", "_pages", "block_tokens", "overflows", "unplaced")
+    __slots__ = ("_attribute", "_blocks", "_evictions", "_max_pages", "_pages", "block_tokens", "overflows",
+                 "unplaced")
 
-    def __init__(self, block_tokens: int, evictions: _Evictions, *, max_pages: int) -> None:
+    def __init__(self, block_tokens: int, evictions: _Evictions, *, max_pages: int, attribute: bool = True) -> None:
         """`max_pages`: more pages than the engine's pool can hold (or than the index's bytes allow) means events
         were lost, or the engine is broken or larger than kvgate was given room for: the view is dropped rather than
         grown without bound, and every prediction made before it is lowered."""
@@ -255,6 +256,7 @@ class HeldBlocks:
         self._pages: dict[int, tuple[int, bytes, int]] = {}  # engine page hash → (block key, tokens after it, refs)
         self._blocks: dict[int, int] = {}  # block key (namespace-blind) → engine pages ending it that are held
         self._evictions = evictions
+        self._attribute = attribute  # per-block evictions lower predictions (else the view only follows the engine)
         self.unplaced = 0  # stored pages whose parent kvgate never saw (history it missed)
         self.overflows = 0  # times the view outgrew the engine's pool and was dropped
 
@@ -291,7 +293,8 @@ class HeldBlocks:
                 self.overflows += 1
                 # Evictions of the pages it placed can no longer be seen: every block sent until now stops counting
                 # (never leaves one counting that the engine may have evicted meanwhile).
-                self._evictions.lower_all()
+                if self._attribute:
+                    self._evictions.lower_all()
                 return False
             self._pages[page_hash] = (key, tail, (previous[2] if previous else 0) + 1)
             if ends_block and not tail:  # never clears an eviction mark: the copy stored may be another namespace's
@@ -309,7 +312,8 @@ class HeldBlocks:
             else:
                 del self._pages[page_hash]
             if not tail:  # the page ended a block: one copy fewer, whose namespace the event does not say
-                self._evictions.mark(key)
+                if self._attribute:
+                    self._evictions.mark(key)
                 left = self._blocks.get(key, 0) - 1
                 if left > 0:
                     self._blocks[key] = left
@@ -334,7 +338,14 @@ class CacheIndex:
     Bounded by the engine's pool (its claim) and by `max_bytes`, whichever is less: an eighth of it each for the
     sent keys, the copies' send order and the eviction marks, the rest for the engine views, shared by the ranks."""
 
-    def __init__(self, *, page_size: int, capacity_tokens: int, max_bytes: int = DEFAULT_INDEX_BYTES) -> None:
+    def __init__(self, *, page_size: int, capacity_tokens: int, max_bytes: int = DEFAULT_INDEX_BYTES,
+                 per_block_evictions: bool = False) -> None:
+        """`per_block_evictions`: an engine's report of each block it evicted lowers a prediction, charged to the copy
+        kvgate sent least recently (sharper, but with the channels README lists: a blind event cannot say whose copy
+        went). Off, the engine's events count only for what they say of the whole cache (a restart, a clear, a
+        refused publisher): a namespace's prediction is then what it sent, aged by the volume sent after it —
+        nothing in it depends on which prompts another namespace sent."""
+        self.per_block_evictions = per_block_evictions
         self.page_size = max(1, page_size)
         self.block_tokens = block_tokens_for(self.page_size)
         self.pool_blocks = max(1, capacity_tokens // self.block_tokens)
@@ -355,11 +366,13 @@ class CacheIndex:
         """A new view of one publishing rank's cache (the KV-event subscriber fills it), one of `of_ranks`."""
         # Twice the pool in pages (a margin for events that trail: hashes shared by namespaces count once here),
         # and never more than the rank's share of the bytes.
-        if not self.ranks and len(self._sent):  # sent before any copy's order was kept: none of it can be attributed
+        if self.per_block_evictions and not self.ranks and len(self._sent):
+            # Sent before any copy's order was kept: none of it can be attributed.
             self._evictions.copies.floor = max(self._evictions.copies.floor, self._evictions.now)
         pool_pages = 2 * self.pool_blocks * self.block_tokens // self.page_size
         view = HeldBlocks(self.block_tokens, self._evictions,
-                          max_pages=max(1, min(pool_pages, self._view_bytes // max(1, of_ranks) // PAGE_BYTES)))
+                          max_pages=max(1, min(pool_pages, self._view_bytes // max(1, of_ranks) // PAGE_BYTES)),
+                          attribute=self.per_block_evictions)
         self.ranks.append(view)
         return view
 
@@ -391,7 +404,7 @@ class CacheIndex:
         # record would have its eviction charged to another namespace's copy.
         keys = prompt.keys(self.block_tokens, stored=True)
         stamp = self._evictions.tick()
-        if self.ranks:  # the order of copies matters only to attribute the engine's evictions
+        if self.ranks and self.per_block_evictions:  # the order of copies matters only to attribute evictions
             young, old = self._sent.halves()
             previous = [young.get(key) or old.get(key, 0) for key in keys]  # the namespace's copy, touched again
             self._evictions.copies.touch(prompt.keys(self.block_tokens, namespaced=False, stored=True), previous,

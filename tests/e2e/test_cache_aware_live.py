@@ -109,15 +109,17 @@ def test_each_conversation_stays_where_its_kv_is_and_the_engines_confirm_the_hit
 def test_an_eviction_the_engine_reports_shows_at_the_next_pick_and_kv_events_off_does_not_see_it(
         engines: tuple[list[RunningEngine], RunningEngine], tmp_path: Path) -> None:
     prefills, _ = engines
-    for kv_events, after_flush_predicts in (("auto", False), ("off", True)):
+    for kv_events, after_flush_predicts in (("auto", False), ("per_block", False), ("off", True)):
         with gateway_for(engines, tmp_path, routing={"kv_events": kv_events}) as gateway:
-            expected_mode = CacheMode.EXACT if kv_events == "auto" else CacheMode.APPROXIMATE
+            expected_mode = CacheMode.APPROXIMATE if kv_events == "off" else CacheMode.EXACT
             assert wait_for(lambda: modes(gateway) == [expected_mode] * 2, timeout_s=10)
+            indexes = [w.cache_index for w in gateway.gateway.models["glm-5"].pool.prefill]
+            assert all(i is not None and i.per_block_evictions == (kv_events == "per_block") for i in indexes)
             chat(gateway, conversation(7, 1))
             assert predicted_for(gateway, conversation(7, 2)) > 0
             for engine in prefills:  # the engine empties its cache (AllBlocksCleared)
                 assert httpx.post(engine.url + "/flush_cache", timeout=10).status_code == 200
-            if kv_events == "auto":
+            if kv_events != "off":
                 pool = gateway.gateway.models["glm-5"].pool
                 assert wait_for(lambda: all(w.cache_index.held_blocks == 0 for w in pool.prefill), timeout_s=5)
             assert (predicted_for(gateway, conversation(7, 3)) > 0) is after_flush_predicts
@@ -135,8 +137,13 @@ def test_a_cache_salt_never_routes_by_another_namespaces_pages_and_cache_aware_t
                    key=lambda r: r["arrival"])
         assert last["cached_tokens"] == 0  # ... and SGLang agrees: another namespace shares nothing
     with gateway_for(engines, tmp_path, routing={"cache_aware_tokens": 64}) as gateway:
+        assert wait_for(lambda: modes(gateway) == [CacheMode.EXACT] * 2, timeout_s=10)
         chat(gateway, conversation(4, 2))
-        assert 0 < predicted_for(gateway, conversation(4, 2)) <= 64
+        indexes = [w.cache_index for w in gateway.gateway.models["glm-5"].pool.prefill if w.cache_index is not None]
+        # Only the first 64 tokens are recorded (and so ever predicted): two blocks of 32, wherever it went.
+        assert sorted(index.sent_blocks * index.block_tokens for index in indexes) == [0, 64]
+        # (Where the repeat goes is the spread's call: 64 tokens of cache weigh less than a prompt's worth of load.)
+        assert predicted_for(gateway, conversation(4, 2)) <= 64
 
 
 def test_cache_aware_index_bytes_bounds_each_prefills_views_below_what_its_pool_claims(

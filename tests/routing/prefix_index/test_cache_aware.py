@@ -44,7 +44,7 @@ def prefills(n: int, page_size: int = 1) -> list[Worker]:
     for i in range(n):
         worker = Worker(WorkerSpec(f"http://10.0.0.{i}:30000", "prefill"))
         worker.accept(PREFILL)
-        worker.cache_index = CacheIndex(page_size=page_size, capacity_tokens=PREFILL.pool_tokens)
+        worker.cache_index = CacheIndex(per_block_evictions=True, page_size=page_size, capacity_tokens=PREFILL.pool_tokens)
         made.append(worker)
     return made
 
@@ -70,7 +70,7 @@ def test_blocks_are_whole_pages_of_at_least_32_tokens() -> None:
 
 
 def test_sent_prefix_matches_per_namespace_never_across() -> None:
-    index = CacheIndex(page_size=1, capacity_tokens=100_000)
+    index = CacheIndex(per_block_evictions=True, page_size=1, capacity_tokens=100_000)
     conversation = list(range(1000, 1700))
     index.record(prompt(conversation))
     assert index.match(prompt(conversation)) == 672  # 699 tokens cacheable (the last is always computed): 21 blocks
@@ -90,7 +90,7 @@ def test_the_sent_view_is_bounded_by_the_engines_pool() -> None:
 
 
 def test_held_blocks_follow_the_engines_store_and_remove_events_in_exact_mode() -> None:
-    index = CacheIndex(page_size=16, capacity_tokens=100_000)
+    index = CacheIndex(per_block_evictions=True, page_size=16, capacity_tokens=100_000)
     rank = index.engine_view()
     ids = list(range(200, 520))  # 320 tokens: 20 pages of 16, 10 blocks of 32
     hashes = sglang_page_hashes(ids, 16)
@@ -107,7 +107,7 @@ def test_held_blocks_follow_the_engines_store_and_remove_events_in_exact_mode() 
 
 
 def test_held_blocks_place_page_by_page_events_and_an_eviction_lowers_the_least_recently_sent_copy() -> None:
-    index = CacheIndex(page_size=1, capacity_tokens=100_000)
+    index = CacheIndex(per_block_evictions=True, page_size=1, capacity_tokens=100_000)
     rank = index.engine_view()
     ids = list(range(50, 150))
     hashes = sglang_page_hashes(ids, 1)
@@ -139,7 +139,7 @@ def test_another_namespaces_copy_stored_after_an_eviction_never_revives_a_predic
     hashes = sglang_page_hashes(ids, 16)
     seen = []
     for b_sends in (False, True):
-        index = CacheIndex(page_size=16, capacity_tokens=100_000)
+        index = CacheIndex(per_block_evictions=True, page_size=16, capacity_tokens=100_000)
         rank = index.engine_view()
         index.mode = CacheMode.EXACT
         index.record(prompt(ids, "a"))
@@ -153,7 +153,7 @@ def test_another_namespaces_copy_stored_after_an_eviction_never_revives_a_predic
 
 
 def test_a_forgotten_eviction_lowers_every_older_prediction_instead_of_reviving_it() -> None:
-    index = CacheIndex(page_size=32, capacity_tokens=32 * 10)  # room for 10 eviction marks, in two halves
+    index = CacheIndex(per_block_evictions=True, page_size=32, capacity_tokens=32 * 10)  # room for 10 eviction marks, in two halves
     rank = index.engine_view()
     index.mode = CacheMode.EXACT
     ids = list(range(1000, 1097))  # 3 blocks of 32
@@ -296,7 +296,7 @@ def test_prefix_depth_gallops_to_the_same_answer_as_a_scan() -> None:
 
 
 def test_an_engine_reporting_more_pages_than_its_pool_holds_cannot_grow_the_view_without_bound() -> None:
-    index = CacheIndex(page_size=32, capacity_tokens=3200)  # 100 blocks of 32: at most 200 pages held
+    index = CacheIndex(per_block_evictions=True, page_size=32, capacity_tokens=3200)  # 100 blocks of 32: at most 200 pages held
     rank = index.engine_view()
     index.mode = CacheMode.EXACT
     sent = list(range(5000, 5097))
@@ -312,7 +312,7 @@ def test_an_engine_reporting_more_pages_than_its_pool_holds_cannot_grow_the_view
 
 def test_a_claimed_pool_of_10_12_tokens_is_bounded_by_the_index_bytes_shared_by_the_ranks() -> None:
     budget = 8 << 20
-    index = CacheIndex(page_size=1, capacity_tokens=10**12, max_bytes=budget)
+    index = CacheIndex(per_block_evictions=True, page_size=1, capacity_tokens=10**12, max_bytes=budget)
     views = [index.engine_view(of_ranks=2) for _ in range(2)]
     assert index.capacity_blocks * KEY_BYTES <= budget // 8  # the sent keys, copies and eviction marks: an eighth each
     tracemalloc.start()
@@ -329,7 +329,7 @@ def test_a_claimed_pool_of_10_12_tokens_is_bounded_by_the_index_bytes_shared_by_
 
 
 def test_a_dropped_view_lowers_even_blocks_whose_own_eviction_mark_is_older() -> None:
-    index = CacheIndex(page_size=32, capacity_tokens=3200)  # at most 200 pages held
+    index = CacheIndex(per_block_evictions=True, page_size=32, capacity_tokens=3200)  # at most 200 pages held
     rank = index.engine_view()
     index.mode = CacheMode.EXACT
     ids = list(range(5000, 5097))

@@ -64,7 +64,7 @@ def test_a_flood_of_tiny_well_formed_batches_never_stalls_the_event_loop() -> No
     async def scenario() -> None:
         port = free_port()
         flood = FloodingPublisher(port, msgspec.msgpack.encode([0.0, []]), 1_000_000)
-        index = CacheIndex(page_size=16, capacity_tokens=1_000_000)
+        index = CacheIndex(per_block_evictions=True, page_size=16, capacity_tokens=1_000_000)
         subscriber = KvEventSubscriber("hostile", index, [EventsEndpoint(f"tcp://127.0.0.1:{port}")], liveness_s=5)
         subscriber.start()
         try:
@@ -166,7 +166,7 @@ def test_a_publisher_falling_silent_never_raises_a_prediction_its_evictions_lowe
     socket stops answering a probe: a lying engine can toggle that), the index falls back to approximate mode,
     whose match read only the sent view: every reported eviction counted for nothing again."""
     ids = list(range(200, 520))
-    index = CacheIndex(page_size=16, capacity_tokens=100_000)
+    index = CacheIndex(per_block_evictions=True, page_size=16, capacity_tokens=100_000)
     rank = index.engine_view()
     index.mode = CacheMode.EXACT
     index.record(prompt(ids, "a"))

@@ -97,7 +97,7 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
 async def wired(page_size: int = 16) -> AsyncIterator[tuple[Publisher, KvEventSubscriber, CacheIndex, tuple[int, int]]]:
     ports = free_port(), free_port()
     publisher = Publisher(*ports)
-    index = CacheIndex(page_size=page_size, capacity_tokens=1_000_000)
+    index = CacheIndex(per_block_evictions=True, page_size=page_size, capacity_tokens=1_000_000)
     subscriber = KvEventSubscriber("test", index, [EventsEndpoint(f"tcp://127.0.0.1:{ports[0]}",
                                                                   f"tcp://127.0.0.1:{ports[1]}")],
                                    liveness_s=LIVENESS_S)
@@ -291,7 +291,7 @@ def test_only_the_configured_topic_is_followed() -> None:
         indexes = {}
         subscribers = []
         for topic in ("kv-prefill-0", "kv-other"):
-            index = indexes[topic] = CacheIndex(page_size=16, capacity_tokens=1_000_000)
+            index = indexes[topic] = CacheIndex(per_block_evictions=True, page_size=16, capacity_tokens=1_000_000)
             subscriber = KvEventSubscriber(topic, index, [EventsEndpoint(f"tcp://127.0.0.1:{ports[0]}", None, topic)],
                                            liveness_s=LIVENESS_S)
             subscriber.start()

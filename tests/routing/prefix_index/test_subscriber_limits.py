@@ -61,7 +61,7 @@ def test_a_subscription_that_fails_part_way_closes_every_socket_it_opened() -> N
     async def scenario() -> None:
         before = open_fds()
         endpoints = [EventsEndpoint(f"tcp://127.0.0.1:{free_port()}") for _ in range(MAX_EVENT_RANKS - 1)]
-        index = CacheIndex(page_size=16, capacity_tokens=100_000)
+        index = CacheIndex(per_block_evictions=True, page_size=16, capacity_tokens=100_000)
         subscriber = KvEventSubscriber("broken", index, [*endpoints, EventsEndpoint("tcp://no-port")],
                                        liveness_s=0.3)
         try:
@@ -78,7 +78,7 @@ def test_a_subscription_that_fails_part_way_closes_every_socket_it_opened() -> N
 
 
 def test_more_ranks_than_the_cap_are_refused_before_anything_opens() -> None:
-    index = CacheIndex(page_size=16, capacity_tokens=100_000)
+    index = CacheIndex(per_block_evictions=True, page_size=16, capacity_tokens=100_000)
     endpoints = [EventsEndpoint(f"tcp://127.0.0.1:{6000 + i}") for i in range(MAX_EVENT_RANKS + 1)]
     try:
         KvEventSubscriber("greedy", index, endpoints, liveness_s=0.3)
