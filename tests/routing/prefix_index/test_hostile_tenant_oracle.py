@@ -14,27 +14,8 @@ from routing.policies.cache_aware import CacheAware
 from routing.pools import Lease, WorkerPair
 from routing.prefix_index import CacheIndex, CacheMode
 from routing.workers import Worker
+from tests.routing.prefix_index.kv_events_modes import index_in_mode, kv_events_mode  # noqa: F401
 from tests.routing.prefix_index.test_cache_aware import prefills, prompt, sglang_page_hashes
-
-# Both modes of `routing.kv_events`: the default (the engine's events count only for what they say of the whole
-# cache) must never let A read B's traffic; per_block (each blind eviction charged to the copy sent least recently)
-# is held to the same tests, and where it still fails it is marked: README lists those channels.
-_MODE = {"per_block": False}
-_PER_BLOCK_LEAKS: dict[str, str] = {}
-
-
-@pytest.fixture(autouse=True, params=["default", "per_block"])
-def kv_events_mode(request: pytest.FixtureRequest) -> object:
-    _MODE["per_block"] = request.param == "per_block"
-    reason = _PER_BLOCK_LEAKS.get(request.node.originalname)
-    if _MODE["per_block"] and reason is not None:
-        request.applymarker(pytest.mark.xfail(strict=False, reason=reason))
-    yield request.param
-    _MODE["per_block"] = False
-
-
-def _index(**kwargs: int) -> CacheIndex:
-    return CacheIndex(per_block_evictions=_MODE["per_block"], **kwargs)
 
 SECRET = list(range(200, 520))  # 320 tokens: B's confidential prefix (a document, a system prompt), or not
 OTHER = list(range(9000, 9320))  # an unrelated prompt, nobody's secret
@@ -61,7 +42,7 @@ def _a_probes_after_b(index: CacheIndex, b_sent: bool) -> int:
 
 
 def test_whether_b_sent_a_prefix_does_not_change_as_predicted_match() -> None:
-    seen = {b_sent: _a_probes_after_b(_index(page_size=16, capacity_tokens=100_000), b_sent)
+    seen = {b_sent: _a_probes_after_b(index_in_mode(page_size=16, capacity_tokens=100_000), b_sent)
             for b_sent in (False, True)}
     assert seen[True] == seen[False], f"A's predicted match reads B's traffic: {seen}"
 
@@ -73,7 +54,7 @@ def test_whether_b_sent_a_prefix_does_not_change_where_a_is_routed() -> None:
     for b_sent in (False, True):
         workers = prefills(2, page_size=16)
         for worker in workers:
-            worker.cache_index = _index(page_size=16, capacity_tokens=100_000)
+            worker.cache_index = index_in_mode(page_size=16, capacity_tokens=100_000)
         holder = workers[0]
         assert holder.cache_index is not None
         _a_probes_after_b(holder.cache_index, b_sent)
@@ -119,7 +100,7 @@ def test_no_ordering_of_a_and_b_lets_a_tell_whether_b_sent_its_prefix(seed: int,
     readings = []
     for b_sends_secret in (False, True):
         # tight: the pool kvgate is told is the engine's own, so the index's bounded memory forgets as it goes
-        engine = _LruEngine(_index(page_size=16, capacity_tokens=capacity * 320 if tight else 100_000), capacity)
+        engine = _LruEngine(index_in_mode(page_size=16, capacity_tokens=capacity * 320 if tight else 100_000), capacity)
         seen = []
         for is_a, choice in steps:
             if is_a:

@@ -13,35 +13,16 @@ from routing.policies.cache_aware import CacheAware
 from routing.pools import Lease, WorkerPair
 from routing.prefix_index import CacheIndex, CacheMode
 from routing.workers import Worker
+from tests.routing.prefix_index.kv_events_modes import index_in_mode, kv_events_mode  # noqa: F401
 from tests.routing.prefix_index.test_cache_aware import prefills, prompt, sglang_page_hashes
 
-# Both modes of `routing.kv_events`: the default (the engine's events count only for what they say of the whole
-# cache) must never let A read B's traffic; per_block (each blind eviction charged to the copy sent least recently)
-# is held to the same tests, and where it still fails it is marked: README lists those channels.
-_MODE = {"per_block": False}
-_PER_BLOCK_ONLY = {"test_a_block_charged_evicted_mid_prompt_ends_the_match_there"}
-_PER_BLOCK_LEAKS: dict[str, str] = {
+PER_BLOCK_LEAKS = {
     "test_a_refresh_in_flight_behind_as_own_request_does_not_read_bs_traffic":
         "per_block: A's own request in flight reorders kvgate's record and the engine's eviction (README)",
     "test_tree_shaped_prompts_and_probes_of_any_length_do_not_read_bs_traffic":
         "per_block: with the engine's real pool the eviction marks' floor moves with B's content (README)",
 }
-
-
-@pytest.fixture(autouse=True, params=["default", "per_block"])
-def kv_events_mode(request: pytest.FixtureRequest) -> object:
-    _MODE["per_block"] = request.param == "per_block"
-    if request.param == "default" and request.node.originalname in _PER_BLOCK_ONLY:
-        pytest.skip("how per-block charges end a match: per_block's own mechanics")
-    reason = _PER_BLOCK_LEAKS.get(request.node.originalname)
-    if _MODE["per_block"] and reason is not None:
-        request.applymarker(pytest.mark.xfail(strict=False, reason=reason))
-    yield request.param
-    _MODE["per_block"] = False
-
-
-def _index(**kwargs: int) -> CacheIndex:
-    return CacheIndex(per_block_evictions=_MODE["per_block"], **kwargs)
+PER_BLOCK_ONLY = {"test_a_block_charged_evicted_mid_prompt_ends_the_match_there"}
 
 SECRET = list(range(200, 520))  # 320 tokens, 10 blocks of 32
 OTHER = list(range(9000, 9320))
@@ -53,7 +34,7 @@ def _a_pipelines_a_refresh(b_sent: bool) -> int:
     A sends SECRET, B sends SECRET or OTHER; then A sends JUNK and, while JUNK is in flight, SECRET again (both are
     A's own requests: A controls this race alone). Prefilling JUNK evicts the LRU entry, A's old SECRET copy, and
     that BlockRemoved arrives after kvgate recorded A's re-send. A then probes SECRET."""
-    index = _index(page_size=16, capacity_tokens=100_000)
+    index = index_in_mode(page_size=16, capacity_tokens=100_000)
     rank = index.engine_view()
     index.mode = CacheMode.EXACT
     secret, other, junk = (sglang_page_hashes(ids, 16) for ids in (SECRET, OTHER, JUNK))
@@ -80,7 +61,7 @@ def _liar_share_at_low_load(liar_pool_tokens: int | None) -> float:
     pool, policy = prefills(4, page_size=16), CacheAware()
     liar = pool[0]
     if liar_pool_tokens is not None:
-        liar.cache_index = _index(page_size=16, capacity_tokens=liar_pool_tokens)
+        liar.cache_index = index_in_mode(page_size=16, capacity_tokens=liar_pool_tokens)
     decode = prefills(1)[0]
     for past in range(300):  # a gateway that has run a while
         asked = prompt(list(range(past * 2000, past * 2000 + 1500)), "tenant-x")
@@ -158,7 +139,7 @@ def test_tree_shaped_prompts_and_probes_of_any_length_do_not_read_bs_traffic(see
     capacity = rng.randrange(6, 20)
     readings = []
     for b_sends_p in (False, True):
-        engine = _RadixEngine(_index(page_size=16, capacity_tokens=capacity * 32 if tight else 100_000),
+        engine = _RadixEngine(index_in_mode(page_size=16, capacity_tokens=capacity * 32 if tight else 100_000),
                               capacity)
         seen = []
         for is_a, choice in steps:
@@ -178,7 +159,7 @@ def _a_page_aligned_prompt(b_sent: bool) -> int:
     B sends P+Y, or Q+Y of the same size. The engine evicts A's leaf (its third block, unknown to kvgate): charged
     to B's copy of it when B sent P. A sends P+X (its copy of block 3 now known), the engine then evicts B's third
     block, which is charged to A's copy."""
-    index = _index(page_size=16, capacity_tokens=100_000)
+    index = index_in_mode(page_size=16, capacity_tokens=100_000)
     rank = index.engine_view()
     index.mode = CacheMode.EXACT
     p, q = list(range(200, 296)), list(range(5000, 5096))
@@ -208,7 +189,7 @@ def test_a_block_charged_evicted_mid_prompt_ends_the_match_there() -> None:
     eviction charged to A's copy while its children are not (another namespace's copy was the one evicted, or the
     engine's events for the child arrive later). The engine serves a prefix only, so A's match ends at the first
     block not counted; `prefix_depth`'s galloping assumes the held blocks are a prefix and skips the hole."""
-    index = _index(page_size=16, capacity_tokens=100_000)
+    index = index_in_mode(page_size=16, capacity_tokens=100_000)
     rank = index.engine_view()
     index.mode = CacheMode.EXACT
     index.record(prompt(SECRET, "tenant-a"))
