@@ -7,8 +7,6 @@ line costs linear time, and at most `max_event_bytes` are ever held for it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 # A blank line ends an event; lines end in \n or \r\n, so every delimiter contains one of these, starting at the
 # line end of the event's last line: \n\n, \n\r\n (covering \r\n\n and \r\n\r\n).
 _DELIMITERS = (b"\n\n", b"\n\r\n")
@@ -84,16 +82,6 @@ class EventSplitter:
         """The stream ended: the payloads of an event it left without its blank line."""
         pending, self._pending = self._pending, bytearray()
         return _payloads(bytes(pending)) if bytes(pending).strip() else []
-
-
-async def data_events(chunks: AsyncIterator[bytes], max_event_bytes: int) -> AsyncIterator[bytes]:
-    """Each event's `data:` payload; raises EventTooLarge once an event exceeds `max_event_bytes`."""
-    splitter = EventSplitter(max_event_bytes)
-    async for chunk in chunks:
-        for payload in splitter.feed(chunk):
-            yield payload
-    for payload in splitter.finish():
-        yield payload
 
 
 def _find_delimiter(buffer: bytes | bytearray, since: int) -> tuple[int, int]:

@@ -3,26 +3,18 @@ cap on one event, and linear time for a huge event that never ends."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
-from routing.engines.sse import EventTooLarge, data_events
+from routing.engines.sse import EventSplitter, EventTooLarge
 
 CAP = 1 << 20
 
 
-async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
-    for part in parts:
-        yield part
-
-
 def _events(parts: list[bytes], cap: int = CAP) -> list[bytes]:
-    async def collect() -> list[bytes]:
-        return [payload async for payload in data_events(_chunks(parts), cap)]
-    return asyncio.run(collect())
+    splitter = EventSplitter(cap)
+    return [payload for part in parts for payload in splitter.feed(part)] + splitter.finish()
 
 
 @pytest.mark.parametrize("newline", [b"\n", b"\r\n"])
