@@ -158,6 +158,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if endpoint is None or self.parser.get_method() != b"POST" or self.parser.get_http_version() != "1.1" \
                 or self.parser.should_upgrade():
             super().on_headers_complete()
+            if self.parser.should_upgrade() and not self._should_upgrade() and self.cycle is not None:
+                # httptools is not resumed after it: whatever follows on this connection would go unread and
+                # unanswered, so the answer closes it.
+                self.cycle.keep_alive = False
             return
         self._serve_at_edge(endpoint)
 

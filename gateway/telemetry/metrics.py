@@ -251,8 +251,11 @@ class _KvEventsCollector(Collector):
                                    labels=[*labels, "outcome"])
         restarts = CounterMetricFamily("kvgate_kv_events_publisher_restarts", "Publishers seen to start over",
                                        labels=labels)
+        # Only what kvgate sent: the engine's view counts namespace-blind blocks (one for equal prompts of two
+        # tenants), so on this unauthenticated endpoint it told a tenant whether another held its prompt. The
+        # operator's /admin/workers still has it.
         blocks = GaugeMetricFamily("kvgate_cache_index_blocks", "Blocks in the worker's cache index, by view (sent: "
-                                   "what kvgate sent; held: what the engine reports)", labels=[*labels, "view"])
+                                   "what kvgate sent)", labels=[*labels, "view"])
         for model, worker, subscriber in self._subscribers():
             key = [model, worker.url]
             for each in CacheMode:
@@ -264,5 +267,4 @@ class _KvEventsCollector(Collector):
             gaps.add_metric([*key, "lost"], stats.gaps_lost)
             restarts.add_metric(key, stats.restarts)
             blocks.add_metric([*key, "sent"], subscriber.index.sent_blocks)
-            blocks.add_metric([*key, "held"], subscriber.index.held_blocks)
         yield from (mode, batches, malformed, gaps, restarts, blocks)

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 BudgetKind = Literal["requests", "prompt_tokens", "output_tokens", "body_bytes"]
-# Which store took a charge: the shared one (Redis), or this replica's own (memory, or the fallback in an outage).
-Ledger = Literal["shared", "local"]
+# Which store took a charge: the shared one (Redis), or this replica's own (memory, or the fallback in an outage:
+# "local@<n>", the n-th outage's fallback, which the next outage replaces). Compared for equality only.
+Ledger = str
 
 
 class StateUnavailable(Exception):

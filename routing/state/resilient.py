@@ -36,6 +36,7 @@ class ResilientState:
                  on_error: Callable[[str], None] = lambda operation: None) -> None:
         self.primary = primary
         self.fallback = self._new_fallback()
+        self._outages = 0  # the fallback's generation: a charge it took is given back to it, never to the next one
         self.replica = primary.replica
         self.on_down = on_down
         self._retry_s = retry_s
@@ -96,6 +97,7 @@ class ResilientState:
             log.warning("shared state (Redis) answers again after %.1fs", time.monotonic() - self._down_since)
             self._down_since = None
             self.fallback = self._new_fallback()  # the next outage starts from what Redis says then
+            self._outages += 1
             self._on_health(True)
 
     async def admit_tenant(self, tenant: str, budgets: Sequence[Budget], max_concurrent: int | None,
@@ -121,12 +123,20 @@ class ResilientState:
         await self._call("release", lambda: self.primary.release_tenant(tenant, held_here, seq), _nothing)
 
     async def charge(self, tenant: str, budget: Budget) -> Ledger:
-        return await self._call("charge", lambda: self.primary.charge(tenant, budget),
-                                lambda: self.fallback.charge(tenant, self._shared_out(budget)))
+        async def alone() -> Ledger:
+            await self.fallback.charge(tenant, self._shared_out(budget))
+            return self._local_ledger()
+
+        return await self._call("charge", lambda: self.primary.charge(tenant, budget), alone)
+
+    def _local_ledger(self) -> Ledger:
+        return f"local@{self._outages}"
 
     async def give_back(self, tenant: str, budget: Budget, ledger: Ledger) -> None:
-        if ledger == "local":  # taken by the fallback in an outage: given back there, whether Redis is back or not
-            await self.fallback.give_back(tenant, self._shared_out(budget), "local")
+        if ledger.startswith("local"):  # taken by an outage's fallback: given back there, whether Redis is back or
+            # not, unless that fallback was replaced since (Redis answered): the new one never took it, a gift
+            if ledger == self._local_ledger():
+                await self.fallback.give_back(tenant, self._shared_out(budget), "local")
             return
         try:  # taken by Redis: given back to Redis or not at all (to the fallback it would be a gift)
             await self.primary.give_back(tenant, budget, "shared")
