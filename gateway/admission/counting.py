@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
+from gateway.admission.ascii_bpe import AsciiBpe
 from gateway.admission.count_cache import CacheStats, CountCache, cache_scope, text_key
 from gateway.admission.gil import pace, start_pacing
 from gateway.admission.isolated_encode import IsolatedCounter
@@ -109,6 +110,9 @@ class TokenCounter:
         segmentable = tokenizer.segmentable and segmenting_holds(tokenizer)
         cuttable = tokenizer.pretok_cuttable and cutting_holds(tokenizer)
         self._splitter = AddedTokenSplitter(tokenizer.added_tokens) if segmentable else None
+        # Short ASCII texts split at added tokens are encoded without Oniguruma (its regex is most of the cost).
+        self._ascii = AsciiBpe.for_tokenizer(tokenizer) if self._splitter is not None or not tokenizer.added_tokens \
+            else None
         cutter = PieceCutter(tokenizer.tokenizer.pre_tokenizer) if cuttable else None
         self._isolated = IsolatedCounter(tokenizer.source)
         self._parallel = ParallelCounter(
@@ -143,11 +147,22 @@ class TokenCounter:
         return await asyncio.get_running_loop().run_in_executor(self._requests, job)
 
     def count_sync(self, text: str, *, add_special_tokens: bool = False) -> int:
-        """Single-pass reference count (no segmenting, no cache, no parallelism)."""
+        """Single-pass count (no cache, no parallelism)."""
+        if self._ascii is not None and self._ascii.takes(text):
+            try:
+                return self._extra(add_special_tokens) + self._ascii_count(text, self._ascii)
+            except UnsupportedSplit:
+                pass
         try:
             return encode_lengths(self._tok.tokenizer, [text], add_special_tokens)[0]
         except EncodeFailed as exc:
             raise UnencodableText(str(exc)) from exc
+
+    def _ascii_count(self, text: str, fast: AsciiBpe) -> int:
+        if self._splitter is None:  # a tokenizer without added tokens
+            return fast.count(text)
+        return sum(1 if token_id is not None else fast.count(text[start:stop])
+                   for start, stop, token_id in self._splitter.segments(text))
 
     def provably_within(self, text: str, limit: int, *, add_special_tokens: bool = False) -> bool:
         """True when count(text) ≤ limit follows from the byte length alone (O(1); needs tokens ≤ bytes)."""
@@ -200,6 +215,8 @@ class TokenCounter:
         # anyway, and each thread busy with them is one more that the event loop must win the GIL from.
         with self._preparing if len(text) > SERIAL_CHARS else nullcontext():
             known, missed, cut = self._lookup(text, tenant)
+            if len(text) <= INLINE_CHARS and (cut or not self._tok.added_tokens):
+                known += self._count_ascii_here(missed)
             total += known
             budget = None if limit is None else limit - total
             if budget is not None and budget < 0:
@@ -213,6 +230,20 @@ class TokenCounter:
             for key, n in zip(missed, counts):
                 self._cache.put(key, n)
         return CountResult(total + sum(n * times for n, (_, times) in zip(counts, missed.values())), complete)
+
+    def _count_ascii_here(self, missed: dict[bytes, tuple[Span, int]]) -> int:
+        """The missed texts (free of added tokens) that the ASCII path takes, counted, cached and removed."""
+        fast, tokens = self._ascii, 0
+        if fast is None:
+            return 0
+        for key, ((text, start, stop), times) in list(missed.items()):
+            part = text[start:stop]
+            if fast.takes(part):
+                n = fast.count(part)
+                self._cache.put(key, n)
+                tokens += n * times
+                del missed[key]
+        return tokens
 
     def _lookup(self, text: str, tenant: str) -> tuple[int, dict[bytes, tuple[Span, int]], bool]:
         """Tokens known without encoding (added tokens, cached texts); the plain texts to encode, by cache key,

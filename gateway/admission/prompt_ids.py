@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
+from gateway.admission.ascii_bpe import AsciiBpe
 from gateway.admission.segmenting import AddedTokenSplitter, UnsupportedSplit
 from gateway.admission.tokenizer import ModelTokenizer
 from routing.prefix_index.blocks import ids_to_bytes
@@ -29,6 +30,7 @@ class PromptIds:
         self._on_encoded = on_encoded
         self._tok = tokenizer.tokenizer
         self._splitter = splitter
+        self._ascii = AsciiBpe.for_tokenizer(tokenizer)
         self._cache: OrderedDict[tuple[str, str], bytes] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._held = 0
@@ -81,7 +83,9 @@ class PromptIds:
         if len(text) > (want // 4) * _CHARS_PER_TOKEN_BOUND:  # longer than the window needs: encode the window only
             window = text[:(want // 4) * _CHARS_PER_TOKEN_BOUND]
             return ids_to_bytes(self._tok.encode_batch_fast([window], add_special_tokens=False)[0].ids)
-        ids = ids_to_bytes(self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+        fast = self._ascii
+        ids = ids_to_bytes(fast.ids(text) if fast is not None and fast.takes(text)
+                           else self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
         if self._on_encoded is not None:
             self._on_encoded(text, tenant, len(ids) // 4)
         with self._lock:

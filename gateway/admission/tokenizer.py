@@ -48,6 +48,7 @@ class ModelTokenizer:
     segmentable: bool
     pretok_cuttable: bool
     special_tokens_added: int
+    pre_tokenizer_config: dict[str, Any] | None  # the loaded pre-tokenizer's own serialised configuration
 
     def __init__(self, raw_json: bytes) -> None:
         self.identity = hashlib.sha256(raw_json).hexdigest()
@@ -65,7 +66,8 @@ class ModelTokenizer:
         self.special_tokens_added = post.num_special_tokens_to_add(False) if post is not None else 0
         # The components' own serialised configuration, read back from the loaded tokenizer.
         has_normalizer = tok.normalizer is not None
-        pre = orjson.loads(tok.pre_tokenizer.__getstate__()) if tok.pre_tokenizer is not None else None
+        pre = self.pre_tokenizer_config = (orjson.loads(tok.pre_tokenizer.__getstate__())
+                                           if tok.pre_tokenizer is not None else None)
         bpe = isinstance(tok.model, tokenizers.models.BPE)
         self.tokens_le_bytes = not has_normalizer and bpe and _is_byte_level(pre)
         self.max_token_bytes = self._max_token_bytes() if self.tokens_le_bytes else None
@@ -101,7 +103,7 @@ def _parsed(raw_json: bytes) -> ModelTokenizer:
     return ModelTokenizer(raw_json)
 
 
-def _pre_tokenizer_parts(pre: dict[str, Any] | None) -> list[dict[str, Any]]:
+def pre_tokenizer_parts(pre: dict[str, Any] | None) -> list[dict[str, Any]]:
     if pre is None:
         return []
     if pre.get("type") == "Sequence":
@@ -111,7 +113,7 @@ def _pre_tokenizer_parts(pre: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 def _is_byte_level(pre: dict[str, Any] | None) -> bool:
     """Byte-level without prefix insertion: with BPE every token covers ≥ 1 input byte, so tokens ≤ bytes."""
-    parts = _pre_tokenizer_parts(pre)
+    parts = pre_tokenizer_parts(pre)
     byte_levels = [p for p in parts if p.get("type") == "ByteLevel"]
     others_only_cut = all(p.get("type") in _NON_INSERTING_PRETOKENIZERS | {"ByteLevel"} for p in parts)
     no_prefix = all(not p.get("add_prefix_space", False) for p in byte_levels)
@@ -124,7 +126,7 @@ def _pre_tokenizer_is_local(pre: dict[str, Any] | None) -> bool:
     Requires regex splits without look-behind/anchors (a scan restarted at a split boundary then sees
     exactly what the full scan saw) and no prefix insertion (which would treat each piece as a text start).
     """
-    parts = _pre_tokenizer_parts(pre)
+    parts = pre_tokenizer_parts(pre)
     if not parts:
         return False
     for p in parts:
@@ -169,7 +171,7 @@ def _segments_are_independent(pre: dict[str, Any] | None, has_normalizer: bool, 
     step that treats the first piece specially (Metaspace prepend_scheme="first") breaks that, and a
     normalized added token matched after a real normalizer is beyond what our splitter replicates.
     """
-    for p in _pre_tokenizer_parts(pre):
+    for p in pre_tokenizer_parts(pre):
         if p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") == "first":
             return False
     if has_normalizer and any(t.normalized for t in added):

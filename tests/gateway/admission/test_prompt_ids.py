@@ -35,6 +35,7 @@ def test_only_the_window_is_made_and_only_new_pieces_are_encoded(glm_tokenizer: 
         full = glm_tokenizer.tokenizer.encode(turn, add_special_tokens=False).ids
         assert as_ids(builder.ids(turn, tenant="t", special=False, max_tokens=100)) == full[:100]
         builder.ids(turn, tenant="t", special=False, max_tokens=1 << 20)
+        builder._ascii = None  # every piece through the tokenizer, to see which pieces are encoded at all
         spy = builder._tok = mock.Mock(wraps=glm_tokenizer.tokenizer)
         next_turn = turn + "The sea is large.<|user|>and the sky?<|assistant|>"
         ids = builder.ids(next_turn, tenant="t", special=False, max_tokens=1 << 20)

@@ -1,0 +1,101 @@
+"""The ASCII path gives exactly the tokenizer's own ids: GLM-5 on generated ASCII of every class the split regex
+tells apart; the translated split regexes of other GPT-style families against `tokenizers`' own Split step; and
+everything the translation is not sure of refused."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+
+import pytest
+import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.admission.ascii_bpe import AsciiBpe, split_pieces, translate_to_ascii
+from gateway.admission.counting import TokenCounter
+from gateway.admission.tokenizer import ModelTokenizer
+from tests.conftest import GLM5_TOKENIZER
+
+# Every ASCII character, weighted towards what the split regex treats specially (apostrophes before its
+# contractions, whitespace runs before a word, digits in runs, \r\n, characters Python's isspace calls space).
+_ASCII = st.lists(st.one_of(st.sampled_from(list("'sStTdDlLmMrReEvV0 \t\n\r\x0b\x0c\x1c\x1f") + ["  ", "\r\n", "'LL"]),
+                            st.characters(max_codepoint=127)), max_size=60).map("".join)
+
+LLAMA3_CL100K_GLM = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                     r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+         r"\s+(?!\S)|\s+")
+GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+@pytest.fixture(scope="module")
+def fast(glm_tokenizer: ModelTokenizer) -> AsciiBpe:
+    path = AsciiBpe.for_tokenizer(glm_tokenizer)
+    assert path is not None, "GLM-5's tokenizer passes the load-time check"
+    return path
+
+
+@settings(max_examples=600, deadline=None)
+@given(text=_ASCII)
+def test_glm_ids_equal_encode(fast: AsciiBpe, glm_tokenizer: ModelTokenizer, text: str) -> None:
+    expected = glm_tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+    assert fast.ids(text) == expected
+    assert fast.count(text) == len(expected)
+
+
+def test_glm_code_and_prose(fast: AsciiBpe, glm_tokenizer: ModelTokenizer) -> None:
+    texts = [open(re.__file__).read(), json.__doc__ or "", "It's   12345678 o'clock;\r\n\r\n\tDON'T\n  \n x"]
+    for text in texts:
+        assert text.isascii()
+        for at in range(0, len(text), 1500):
+            piece = text[at:at + 1500]
+            assert fast.count(piece) == len(glm_tokenizer.tokenizer.encode(piece, add_special_tokens=False).ids)
+
+
+@pytest.mark.parametrize("pattern", [LLAMA3_CL100K_GLM, QWEN2, GPT2])
+@settings(max_examples=300, deadline=None)
+@given(text=_ASCII)
+def test_translated_split_equals_the_split_step(pattern: str, text: str) -> None:
+    translated = translate_to_ascii(pattern)
+    assert translated is not None
+    step = tokenizers.pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="isolated")
+    assert split_pieces(re.compile(translated, re.ASCII), text) == [p for p, _ in step.pre_tokenize_str(text)]
+
+
+@pytest.mark.parametrize("pattern", [
+    r"\p{L}+|\p{M}+",  # a class without an ASCII translation here
+    r"\d+|\w+", r"\b\p{L}+", r".+", r"^\s+", r"\s+$", r"(?<=a)b", r"(?i)\p{L}", r"[\p{L}&&[^a]]", r"(a)\1",
+    r"[[:alpha:]]+", r"\p{Lu}",
+])
+def test_uncertain_constructs_are_refused(pattern: str) -> None:
+    assert translate_to_ascii(pattern) is None
+
+
+def test_only_short_ascii_is_taken(fast: AsciiBpe) -> None:
+    assert fast.takes("plain text") and not fast.takes("naïve") and not fast.takes("x" * 100_000)
+
+
+def test_a_tokenizer_with_a_normalizer_gets_no_fast_path() -> None:
+    config = json.loads(gzip.decompress(GLM5_TOKENIZER.read_bytes()))
+    config["normalizer"] = {"type": "Lowercase"}
+    assert AsciiBpe.for_tokenizer(ModelTokenizer(json.dumps(config).encode())) is None
+
+
+def test_a_regex_the_fast_path_misreads_is_caught_at_load() -> None:
+    """The load-time check compares with the tokenizer itself: a translation that went wrong is never used."""
+    config = json.loads(gzip.decompress(GLM5_TOKENIZER.read_bytes()))
+    config["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{L}+|\p{N}+|[^\p{L}\p{N}]+"
+    tokenizer = ModelTokenizer(json.dumps(config).encode())
+    assert AsciiBpe.for_tokenizer(tokenizer) is not None  # translatable, and right
+    wrong = AsciiBpe(tokenizer, re.compile(r"[A-Za-z]+|[0-9]+|[^A-Za-z0-9]"))  # one character at a time: wrong
+    assert not wrong._agrees(tokenizer.tokenizer)
+
+
+def test_counter_counts_chats_with_added_tokens(glm_tokenizer: ModelTokenizer) -> None:
+    chat = "[gMASK]<sop><|system|>Be brief.<|user|>What's 2+2?\n\n<|assistant|><think></think>4<|user|>ok<|assistant|>"
+    with TokenCounter(glm_tokenizer, cache_bytes=1 << 20, single_pass_chars=1024) as counter:
+        for special in (False, True):
+            assert counter.count_sync(chat, add_special_tokens=special) == \
+                len(glm_tokenizer.tokenizer.encode(chat, add_special_tokens=special).ids)
