@@ -149,6 +149,7 @@ class TokenCounter:
     def count_sync(self, text: str, *, add_special_tokens: bool = False) -> int:
         """Single-pass count (no cache, no parallelism)."""
         if self._ascii is not None and self._ascii.takes(text):
+            start_pacing()  # splitting a short text at added tokens must not hand the GIL over on the event loop
             try:
                 return self._extra(add_special_tokens) + self._ascii_count(text, self._ascii)
             except UnsupportedSplit:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from gateway.admission.ascii_bpe import AsciiBpe
+from gateway.admission.gil import start_pacing
 from gateway.admission.segmenting import AddedTokenSplitter, UnsupportedSplit
 from gateway.admission.tokenizer import ModelTokenizer
 from routing.prefix_index.blocks import ids_to_bytes
@@ -41,6 +42,7 @@ class PromptIds:
     def ids(self, text: str, *, tenant: str, special: bool, max_tokens: int) -> bytes:
         """The first `max_tokens` ids of `encode(text, add_special_tokens=special)` (4-byte little-endian each;
         near the window's end they may differ from the engine's)."""
+        start_pacing()  # inline on the event loop for a short prompt: its split must not hand the GIL over there
         head, tail = self._specials if special else (b"", b"")
         parts = [head]
         want = max_tokens * 4
