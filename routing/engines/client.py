@@ -71,7 +71,7 @@ class EngineResponse:
             splitter = self._splitter = EventSplitter(max_event_bytes)
         try:
             while not self._ended:
-                chunk = await self._response.next_chunk()
+                chunk = await self._response.next_data()
                 if chunk is None:
                     self._ended = True
                     return splitter.finish() or None

@@ -126,6 +126,19 @@ class Response:
             finally:
                 self._waiter = None
 
+    async def next_data(self) -> bytes | None:
+        """Everything of the body that has arrived and not been taken, in one piece (one chunk at least), None once
+        it has all come: a reader that handles bytes, not chunks, pays once for the chunks of one socket read."""
+        chunk = await self.next_chunk()
+        chunks = self._chunks
+        if chunk is None or not chunks:
+            return chunk
+        parts = [chunk, *chunks]
+        chunks.clear()
+        joined = b"".join(parts)
+        self._take(len(joined) - len(chunk) + (len(parts) - 1) * _CHUNK_COST)
+        return joined
+
     def close(self) -> None:
         """Abandon the response: a connection whose response was not read to its end is closed, not reused."""
         self._finish(reusable=self._complete and not self._chunks)

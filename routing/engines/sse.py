@@ -27,20 +27,25 @@ class EventSplitter:
     no generator per event). The common chunk — whole events ending in \n\n, nothing carried over, no \r — is split
     in one pass."""
 
-    __slots__ = ("_max", "_pending", "_scanned")
+    __slots__ = ("_failed", "_max", "_pending", "_scanned")
 
     def __init__(self, max_event_bytes: int) -> None:
         self._max = max_event_bytes
         self._pending = bytearray()
         self._scanned = 0  # _pending[:_scanned] holds no delimiter start (bar the last _OVERLAP bytes)
+        # An event over the cap behind whole events in the same bytes: those go out first, the failure next call.
+        self._failed: EventTooLarge | None = None
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        """The payloads of the events `chunk` completes; EventTooLarge once an event exceeds the cap."""
+        """The payloads of the events `chunk` completes; EventTooLarge once an event exceeds the cap (after the
+        payloads of the events before it, which the call before returns)."""
+        if self._failed is not None:
+            raise self._failed
         if not self._pending and chunk.endswith(b"\n\n") and b"\r" not in chunk:
             payloads: list[bytes] = []
             for event in chunk[:-2].split(b"\n\n"):
                 if len(event) > self._max:
-                    raise EventTooLarge(len(event), self._max)
+                    return self._fail(payloads, EventTooLarge(len(event), self._max))
                 if event.startswith(b"data:") and b"\n" not in event:
                     payloads.append(event[5:].lstrip(b" "))
                 elif event:
@@ -64,13 +69,13 @@ class EventSplitter:
             if end < 0:
                 break
             if end - start > self._max:
-                raise EventTooLarge(end - start, self._max)
+                return self._fail(payloads, EventTooLarge(end - start, self._max))
             payloads.extend(_payloads(bytes(view[start:end])))
             start = end + width
             scanned = start
         rest = len(view) - start
         if rest > self._max:
-            raise EventTooLarge(rest, self._max)
+            return self._fail(payloads, EventTooLarge(rest, self._max))
         if view is pending:
             del pending[:start]
         else:
@@ -78,8 +83,17 @@ class EventSplitter:
         self._scanned = len(pending)
         return payloads
 
+    def _fail(self, payloads: list[bytes], error: EventTooLarge) -> list[bytes]:
+        self._failed = error
+        self._pending = bytearray()
+        if payloads:
+            return payloads
+        raise error
+
     def finish(self) -> list[bytes]:
         """The stream ended: the payloads of an event it left without its blank line."""
+        if self._failed is not None:
+            raise self._failed
         pending, self._pending = self._pending, bytearray()
         return _payloads(bytes(pending)) if bytes(pending).strip() else []
 

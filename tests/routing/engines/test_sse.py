@@ -52,3 +52,15 @@ def test_a_huge_unterminated_event_is_scanned_in_linear_time() -> None:
     elapsed = time.perf_counter() - started
     assert len(payload) == len(chunk) * (len(parts) - 2)
     assert elapsed < 3.0, elapsed
+
+
+def test_events_before_one_over_the_cap_in_the_same_bytes_come_out_first() -> None:
+    """The reader takes whatever one socket read brought, many events at once: those before an oversized one are
+    still returned, and the failure comes on the next call (also through `finish`)."""
+    for tail in (b"data: " + b"x" * 100 + b"\n\n", b"data: " + b"x" * 100):  # whole, or still unfinished
+        splitter = EventSplitter(64)
+        assert splitter.feed(b'data: {"a":1}\n\ndata: {"b":2}\n\n' + tail) == [b'{"a":1}', b'{"b":2}']
+        with pytest.raises(EventTooLarge):
+            splitter.feed(b"data: {}\n\n")
+        with pytest.raises(EventTooLarge):
+            splitter.finish()
