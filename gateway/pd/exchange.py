@@ -511,7 +511,8 @@ class PDExchange:
             raise EngineBroken("decode", "decode sent an event that is not JSON") from None
         if not isinstance(event, dict):  # a batch's list, a bare value: not an answer to this one request
             raise EngineBroken("decode", "decode sent an event that is not a JSON object")
-        if b'"error"' in data or b'"abort"' in data or b"\\u" in data:  # (\u: a key may be spelled escaped)
+        # (\u: a key may be spelled escaped; a backslash is looked for first, at memchr speed)
+        if b'"error"' in data or b'"abort"' in data or (b"\\" in data and b"\\u" in data):
             check_result("decode", event, data)
             # What goes on is what was checked: a key given twice keeps one value here, and so for the client.
             data = orjson.dumps(event)

@@ -37,7 +37,11 @@ class VerifiedRelease:
     def offer(self, payload: bytes) -> bool:
         """A checked decode event: out at once once released, else held (True: the caller may `advance`)."""
         if self._released:
-            self._out(payload)
+            if self.prompt_logprobs is None:  # the common case, without `_out`'s two calls
+                self.released_bytes += len(payload)
+                self._events.put_nowait(payload)
+            else:
+                self._out(payload)
             return False
         self._held.append(payload)
         return True

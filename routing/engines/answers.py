@@ -14,7 +14,6 @@ from routing.engines.errors import EngineBroken, EngineRejected, is_length_rejec
 # before the colon included (valid JSON), with the value's raw text up to its end: a client's parser reads
 # `7e1` as 70 and `7.9` as 7.9, so only a plain integer (or null: no count) is a count the gateway can verify.
 PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*([^\s,}\]]*)')
-_COUNT_VALUE = re.compile(rb"-?\d+")
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 # Where a /generate event's prompt logprobs start (a key: inside a JSON string every quote is escaped).
 INPUT_LOGPROBS = re.compile(rb'"input_token_logprobs":\s*\[')
@@ -24,9 +23,8 @@ def stated_prompt_counts(role: Literal["prefill", "decode"], data: bytes) -> lis
     """Every prompt count `data` states, as a client's JSON parser reads it; EngineBroken for one that is not a plain
     integer (a fraction, an exponent, a string, an object: the gateway could not verify what the client reads)."""
     counts: list[int] = []
-    for match in PROMPT_TOKENS.finditer(data):
-        value = match[1]
-        if _COUNT_VALUE.fullmatch(value):
+    for value in PROMPT_TOKENS.findall(data):
+        if value.isdigit() or (value[:1] == b"-" and value[1:].isdigit()):  # -?\d+ (bytes: ASCII digits only)
             counts.append(int(value))
         elif value != b"null":
             raise EngineBroken(role, f"{role} stated a prompt count that is not an integer: {value[:40]!r}")
