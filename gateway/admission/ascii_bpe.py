@@ -77,8 +77,9 @@ class AsciiBpe:
         found = self._pieces
         try:
             return sum(map(len, map(found.__getitem__, pieces)))
-        except KeyError:
-            return sum(len(self._ids_of(piece)) for piece in pieces)
+        except KeyError:  # a new piece (a number, a rare word): the others are still known
+            return sum(len(ids) if (ids := found.get(piece)) is not None else len(self._ids_of(piece))
+                       for piece in pieces)
 
     def ids(self, text: str) -> list[int]:
         ids: list[int] = []

@@ -14,6 +14,8 @@ import re
 class Dialect(enum.Enum):
     """What a version does with a chat request; see `gateway.admission.chat` for the differences."""
 
+    __hash__ = object.__hash__  # a singleton: hashed by identity, in C (each request's counts are keyed by it)
+
     V0_5_8 = "0.5.8"     # everything before 0.5.22: transformers 4.57 tokenize=True, reasoning_effort defaults
     V0_5_22 = "0.5.22"   # Tool.model_dump() shape, object-only tool arguments, tool text parts joined
     V0_5_23 = "0.5.23"   # and later: tool functions keep the client's key order, `strict` only when sent

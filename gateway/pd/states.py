@@ -6,19 +6,26 @@ import enum
 from dataclasses import dataclass
 
 
-class Phase(enum.Enum):
+class _Singletons(enum.Enum):
+    """Members hashed by identity (they are singletons), in C: Enum's own __hash__ runs Python code, and the state
+    chart hashes members at every move."""
+
+    __hash__ = object.__hash__
+
+
+class Phase(_Singletons):
     CONNECTING = "connecting"  # taking a verified connection to each half: nothing reached either engine
     SENT = "sent"  # both requests sent, with the same rid and bootstrap room
     CLOSED = "closed"  # both halves closed, every abort sent
 
 
-class Prefill(enum.Enum):
+class Prefill(_Singletons):
     PENDING = "pending"  # its fate unknown: it may still write into decode's KV pages
     SETTLED = "settled"  # it answered (any status), or its abort has answered
     OK = "ok"  # it answered 2xx with a clean body, its count verified
 
 
-class Decode(enum.Enum):
+class Decode(_Singletons):
     PENDING = "pending"
     STREAMING = "streaming"  # its first token is in
     SAID_DONE = "said_done"  # it sent [DONE]: nothing may follow
