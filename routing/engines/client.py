@@ -249,7 +249,7 @@ async def read_capped(response: Response, max_bytes: int, role: Role, *, truncat
         raise EngineAnswerTooLarge(role, f"an answer of {int(declared)} bytes", max_bytes)
     parts: list[bytes] = []
     size = 0
-    async for chunk in response.chunks():
+    while (chunk := await response.next_data()) is not None:  # what each read brought, in one piece
         size += len(chunk)
         if size > max_bytes:
             if truncate:
