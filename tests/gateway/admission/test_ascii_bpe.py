@@ -99,3 +99,23 @@ def test_counter_counts_chats_with_added_tokens(glm_tokenizer: ModelTokenizer) -
         for special in (False, True):
             assert counter.count_sync(chat, add_special_tokens=special) == \
                 len(glm_tokenizer.tokenizer.encode(chat, add_special_tokens=special).ids)
+
+
+def test_a_short_prompt_counted_on_the_loop_never_hands_the_gil_over(glm_tokenizer: ModelTokenizer,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Splitting at added tokens paces itself (sleep(0) once its clock is 1 ms old): a short prompt counted inline
+    on the event loop starts that clock first, or a stale one would make the loop give the GIL away mid-request."""
+    from gateway.admission import gil
+    from gateway.admission.prompt_ids import PromptIds
+
+    def no_sleep(_: float) -> None:
+        raise AssertionError("the event loop slept")
+
+    chat = "[gMASK]<sop><|user|>" + "word " * 100 + "<|assistant|>"
+    with TokenCounter(glm_tokenizer, cache_bytes=1 << 20, single_pass_chars=1024) as counter:
+        builder = PromptIds(glm_tokenizer, counter.splitter)
+        gil._handed_over.at = 0.0  # a clock left stale by whatever ran on this thread long ago
+        monkeypatch.setattr(gil.time, "sleep", no_sleep)
+        assert counter.count_sync(chat) == len(glm_tokenizer.tokenizer.encode(chat, add_special_tokens=False).ids)
+        gil._handed_over.at = 0.0
+        builder.ids(chat, tenant="t", special=False, max_tokens=64)
