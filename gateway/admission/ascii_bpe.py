@@ -25,6 +25,7 @@ from typing import Any
 
 import tokenizers
 
+from gateway.admission.segmenting import UnsupportedSplit
 from gateway.admission.tokenizer import ModelTokenizer, pre_tokenizer_parts
 
 # Oniguruma's Unicode classes, restricted to ASCII (\s: White_Space; \x1c-\x1f are not, whatever str.isspace says).
@@ -38,23 +39,30 @@ _ESCAPE = re.compile(r"\\p\{[A-Za-z]\}|\\.")
 # that change what a class means.
 _ALLOWED_GROUP_OPENERS = ("(?i:", "(?:", "(?!", "(?=")
 _LITERAL = re.compile(r"[ !\"#%&',\-/:;<=>@_`~A-Za-z0-9]")
-_PIECES_KEPT = 1 << 16  # distinct pieces whose ids are kept (~150 B each)
+_PIECES_KEPT = 1 << 16  # pieces whose ids are kept, all tenants together (≤ 255 characters: ≲ 40 MiB)
 _FUZZ_ALPHABET = "aZ' s\t\n\r\x0b\x0c\x1c\x1f\x00\x7f09.,!?-_(){}[]\"#`~ "
 # Longest text encoded here: `re` holds the GIL for a whole scan (~0.05 µs a character), so longer texts go to the
-# tokenizer, which releases it.
+# tokenizer, which releases it. Longest piece: the tokenizer's own BPE cache keeps pieces under 256 bytes, and a
+# text with a longer one (a run of letters, of spaces) goes to the tokenizer whole.
 MAX_CHARS = 8192
+MAX_PIECE_CHARS = 255
 _CHECKED: dict[str, AsciiBpe | None] = {}  # tokenizer identity -> its fast path (checked once per tokenizer)
 
 
 class AsciiBpe:
-    """`ids(text)` for a text that `str.isascii()`, holds no added token and is encoded without special tokens."""
+    """`ids(text)` for a text that `str.isascii()`, holds no added token and is encoded without special tokens.
+    Raises UnsupportedSplit for a text with a piece longer than MAX_PIECE_CHARS (left to the tokenizer, which
+    releases the GIL: one BPE call over a long piece holds it for milliseconds here)."""
 
     def __init__(self, tokenizer: ModelTokenizer, split: re.Pattern[str]) -> None:
         self._model: Any = tokenizer.tokenizer.model
         self._findall = split.findall
         self._split = split
         self._byte_level = str.maketrans({chr(b): _byte_level_char(b) for b in range(128)})
-        self._pieces: dict[str, tuple[int, ...]] = {}
+        # Each tenant's pieces apart, as the count cache keeps each tenant's texts: a shared cache would tell one
+        # tenant, by timing, which pieces another had sent lately.
+        self._pieces: dict[str, dict[str, tuple[int, ...]]] = {}
+        self._kept = 0
         self._lock = threading.Lock()
 
     @classmethod
@@ -71,34 +79,42 @@ class AsciiBpe:
         """Whether `text` is for this path: ASCII, and short enough to scan under the GIL."""
         return len(text) <= MAX_CHARS and text.isascii()
 
-    def count(self, text: str) -> int:
+    def count(self, text: str, tenant: str) -> int:
         """len(ids(text)), without building the list."""
         pieces = self._pieces_of(text)
-        found = self._pieces
-        try:
-            return sum(map(len, map(found.__getitem__, pieces)))
-        except KeyError:  # a new piece (a number, a rare word): the others are still known
-            return sum(len(ids) if (ids := found.get(piece)) is not None else len(self._ids_of(piece))
-                       for piece in pieces)
+        known = self._pieces.get(tenant)
+        if known is not None:
+            try:
+                return sum(map(len, map(known.__getitem__, pieces)))
+            except KeyError:  # a new piece (a number, a rare word): the others are still known
+                pass
+        return sum(len(self._ids_of(piece, tenant)) for piece in pieces)
 
-    def ids(self, text: str) -> list[int]:
+    def ids(self, text: str, tenant: str) -> list[int]:
         ids: list[int] = []
         for piece in self._pieces_of(text):
-            ids.extend(self._ids_of(piece))
+            ids.extend(self._ids_of(piece, tenant))
         return ids
 
     def _pieces_of(self, text: str) -> list[str]:
         pieces: list[str] = self._findall(text)
-        return pieces if sum(map(len, pieces)) == len(text) else split_pieces(self._split, text)
+        if sum(map(len, pieces)) != len(text):
+            pieces = split_pieces(self._split, text)
+        if pieces and max(map(len, pieces)) > MAX_PIECE_CHARS:
+            raise UnsupportedSplit
+        return pieces
 
-    def _ids_of(self, piece: str) -> tuple[int, ...]:
-        ids = self._pieces.get(piece)
+    def _ids_of(self, piece: str, tenant: str) -> tuple[int, ...]:
+        known = self._pieces.get(tenant)
+        ids = known.get(piece) if known is not None else None
         if ids is None:
             ids = tuple(token.id for token in self._model.tokenize(piece.translate(self._byte_level)))
             with self._lock:
-                if len(self._pieces) >= _PIECES_KEPT:
+                if self._kept >= _PIECES_KEPT:
                     self._pieces.clear()  # cheaper than an LRU's bookkeeping on every hit; refilled at ~1 µs a piece
-                self._pieces[piece] = ids
+                    self._kept = 0
+                self._pieces.setdefault(tenant, {})[piece] = ids
+                self._kept += 1
         return ids
 
     def _agrees(self, tokenizer: tokenizers.Tokenizer) -> bool:
@@ -113,12 +129,16 @@ class AsciiBpe:
         pre = tokenizer.pre_tokenizer
         expected = tokenizer.encode_batch_fast(probes, add_special_tokens=False)
         for probe, encoding in zip(probes, expected):
-            if self.ids(probe) != encoding.ids or self.count(probe) != len(encoding.ids):
-                return False
+            try:
+                if self.ids(probe, "") != encoding.ids or self.count(probe, "") != len(encoding.ids):
+                    return False
+            except UnsupportedSplit:
+                continue
             if pre is not None and [p for p, _ in pre.pre_tokenize_str(probe)] != \
                     [p.translate(self._byte_level) for p in self._pieces_of(probe)]:
                 return False
         self._pieces.clear()
+        self._kept = 0
         return True
 
 
@@ -139,38 +159,49 @@ def ascii_split_regex(tokenizer: ModelTokenizer) -> re.Pattern[str] | None:
         return None
     pattern = (split.get("pattern") or {}).get("Regex")
     translated = translate_to_ascii(pattern) if isinstance(pattern, str) else None
-    return re.compile(translated, re.ASCII) if translated is not None else None
+    return re.compile(translated, re.ASCII) if translated is not None else None  # translate_to_ascii compiled it
 
 
 def translate_to_ascii(pattern: str) -> str | None:
-    """`pattern` (Oniguruma syntax) with its Unicode classes as ASCII classes; None for anything else."""
+    """`pattern` (Oniguruma syntax) with its Unicode classes as ASCII classes; None for anything else — constructs
+    Python's `re` reads otherwise (`x{4}+` is `(?:x{4})+` there but possessive here, `x{2}?` optional there but lazy
+    here, `&&` an intersection there), and patterns that can match the empty string (the two engines step past an
+    empty match differently)."""
     out: list[str] = []
+    relaxed: list[str] = []  # the pattern with every look-ahead taken as true: it matches "" if `pattern` ever can
+    groups: list[bool] = []  # for each open group: whether it is a look-ahead
+    looking = 0  # look-aheads open
+    last = "start"  # what came last: "atom" may be quantified; "quantifier", "start", "look" may not
+
+    def emit(token: str) -> None:
+        out.append(token)
+        if not looking:
+            relaxed.append(token)
+
     i, in_class = 0, False
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
             escape = _ESCAPE.match(pattern, i)
-            if escape is None:
-                return None
             table = _INSIDE if in_class else _OUTSIDE
-            token = escape.group()
-            if token not in table:
+            if escape is None or escape.group() not in table:
                 return None
-            out.append(table[token])
+            emit(table[escape.group()])
             i = escape.end()
+            last = "atom" if not in_class else last
         elif in_class:
             if c == "]":
-                in_class = False
-            elif c == "[" or (c == "^" and pattern[i - 1] != "["):
+                in_class, last = False, "atom"
+            elif c == "[" or (c == "^" and pattern[i - 1] != "[") or pattern.startswith("&&", i):
                 return None  # nested classes or set operations
-            out.append(c)
+            emit(c)
             i += 1
         elif c == "[":
             in_class = True
-            out.append(c)
+            emit(c)
             i += 1
             if pattern.startswith("^", i):
-                out.append("^")
+                emit("^")
                 i += 1
         elif c == "(":
             opener = next((o for o in _ALLOWED_GROUP_OPENERS if pattern.startswith(o, i)), None)
@@ -178,23 +209,55 @@ def translate_to_ascii(pattern: str) -> str | None:
                 if pattern.startswith("(?", i):
                     return None
                 opener = "("
-            out.append(opener if opener != "(" else "(?:")
+            look = opener in ("(?!", "(?=")
+            if look:
+                out.append(opener)
+                looking += 1
+            else:
+                emit(opener if opener != "(" else "(?:")
+            groups.append(look)
             i += len(opener)
-        elif c in ")|?*+":
-            out.append(c)
-            i += 1
-        elif c == "{":
-            count = re.compile(r"\{\d+(,\d*)?\}").match(pattern, i)
-            if count is None:
+            last = "start"
+        elif c == ")":
+            if not groups:
                 return None
-            out.append(count.group())
-            i = count.end()
-        elif _LITERAL.fullmatch(c):
-            out.append(c)
+            if groups.pop():
+                out.append(")")
+                looking -= 1
+                last = "look"
+            else:
+                emit(")")
+                last = "atom"
             i += 1
+        elif c == "|":
+            emit(c)
+            i += 1
+            last = "start"
+        elif c in "?*+{":
+            if last != "atom":
+                return None  # a quantifier of a quantifier, of nothing, or of a look-ahead
+            count = re.compile(r"\{\d+(,\d*)?\}").match(pattern, i) if c == "{" else None
+            if c == "{" and count is None:
+                return None
+            token = count.group() if count is not None else c
+            emit(token)
+            i += len(token)
+            last = "quantifier"
+        elif _LITERAL.fullmatch(c):
+            emit(c)
+            i += 1
+            last = "atom"
         else:
             return None  # anchors (^ $), the dot, anything else whose ASCII meaning is not certain here
-    return "".join(out) if not in_class else None
+    if in_class or groups:
+        return None
+    try:
+        if re.compile("".join(relaxed), re.ASCII).fullmatch("") is not None:
+            return None
+        re.compile("".join(out), re.ASCII)
+    except re.error:
+        return None  # Oniguruma accepts some patterns Python's `re` does not (`a{2}*`)
+    return "".join(out)
 
 
 def split_pieces(split: re.Pattern[str], text: str) -> list[str]:

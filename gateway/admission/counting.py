@@ -139,19 +139,19 @@ class TokenCounter:
     ) -> CountResult:
         """As `count`, telling an exact count from an early exit's lower bound."""
         if len(text) <= self._single_pass_chars:
-            return CountResult(self.count_sync(text, add_special_tokens=add_special_tokens), exact=True)
+            return CountResult(self.count_sync(text, add_special_tokens=add_special_tokens, tenant=tenant), exact=True)
         if len(text) <= INLINE_CHARS:
             # A thread hop costs more than encoding a short prompt (~60 µs of CPU against ~115 µs measured).
             return self._count_blocking(text, tenant, add_special_tokens, limit)
         job = partial(self._count_blocking, text, tenant, add_special_tokens, limit)
         return await asyncio.get_running_loop().run_in_executor(self._requests, job)
 
-    def count_sync(self, text: str, *, add_special_tokens: bool = False) -> int:
-        """Single-pass count (no cache, no parallelism)."""
+    def count_sync(self, text: str, *, add_special_tokens: bool = False, tenant: str = "") -> int:
+        """Single-pass count (no count cache, no parallelism; `tenant`: whose pieces the ASCII path may reuse)."""
         if self._ascii is not None and self._ascii.takes(text):
             start_pacing()  # splitting a short text at added tokens must not hand the GIL over on the event loop
             try:
-                return self._extra(add_special_tokens) + self._ascii_count(text, self._ascii)
+                return self._extra(add_special_tokens) + self._ascii_count(text, self._ascii, tenant)
             except UnsupportedSplit:
                 pass
         try:
@@ -159,10 +159,11 @@ class TokenCounter:
         except EncodeFailed as exc:
             raise UnencodableText(str(exc)) from exc
 
-    def _ascii_count(self, text: str, fast: AsciiBpe) -> int:
+    def _ascii_count(self, text: str, fast: AsciiBpe, tenant: str) -> int:
+        """Raises UnsupportedSplit where the text is for the tokenizer after all."""
         if self._splitter is None:  # a tokenizer without added tokens
-            return fast.count(text)
-        return sum(1 if token_id is not None else fast.count(text[start:stop])
+            return fast.count(text, tenant)
+        return sum(1 if token_id is not None else fast.count(text[start:stop], tenant)
                    for start, stop, token_id in self._splitter.segments(text))
 
     def provably_within(self, text: str, limit: int, *, add_special_tokens: bool = False) -> bool:
@@ -217,7 +218,7 @@ class TokenCounter:
         with self._preparing if len(text) > SERIAL_CHARS else nullcontext():
             known, missed, cut = self._lookup(text, tenant)
             if len(text) <= INLINE_CHARS and (cut or not self._tok.added_tokens):
-                known += self._count_ascii_here(missed)
+                known += self._count_ascii_here(missed, tenant)
             total += known
             budget = None if limit is None else limit - total
             if budget is not None and budget < 0:
@@ -232,7 +233,7 @@ class TokenCounter:
                 self._cache.put(key, n)
         return CountResult(total + sum(n * times for n, (_, times) in zip(counts, missed.values())), complete)
 
-    def _count_ascii_here(self, missed: dict[bytes, tuple[Span, int]]) -> int:
+    def _count_ascii_here(self, missed: dict[bytes, tuple[Span, int]], tenant: str) -> int:
         """The missed texts (free of added tokens) that the ASCII path takes, counted, cached and removed."""
         fast, tokens = self._ascii, 0
         if fast is None:
@@ -240,7 +241,10 @@ class TokenCounter:
         for key, ((text, start, stop), times) in list(missed.items()):
             part = text[start:stop]
             if fast.takes(part):
-                n = fast.count(part)
+                try:
+                    n = fast.count(part, tenant)
+                except UnsupportedSplit:
+                    continue  # a piece too long for this path: the tokenizer counts this text
                 self._cache.put(key, n)
                 tokens += n * times
                 del missed[key]

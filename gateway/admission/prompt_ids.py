@@ -85,9 +85,7 @@ class PromptIds:
         if len(text) > (want // 4) * _CHARS_PER_TOKEN_BOUND:  # longer than the window needs: encode the window only
             window = text[:(want // 4) * _CHARS_PER_TOKEN_BOUND]
             return ids_to_bytes(self._tok.encode_batch_fast([window], add_special_tokens=False)[0].ids)
-        fast = self._ascii
-        ids = ids_to_bytes(fast.ids(text) if fast is not None and fast.takes(text)
-                           else self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+        ids = ids_to_bytes(self._encode(text, tenant))
         if self._on_encoded is not None:
             self._on_encoded(text, tenant, len(ids) // 4)
         with self._lock:
@@ -97,6 +95,15 @@ class PromptIds:
                 (_, old_text), old = self._cache.popitem(last=False)
                 self._held -= len(old) + len(old_text)
         return ids
+
+    def _encode(self, text: str, tenant: str) -> list[int]:
+        fast = self._ascii
+        if fast is not None and fast.takes(text):
+            try:
+                return fast.ids(text, tenant)
+            except UnsupportedSplit:
+                pass  # a piece too long for the ASCII path
+        return self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def _special_tokens(self) -> tuple[bytes, bytes]:
         """The ids `add_special_tokens=True` puts before and after a text (the tokenizer's post-processor)."""
