@@ -5,7 +5,9 @@ cached per tenant, and only the segments missing from the cache are encoded: lon
 pre-tokenizer splits and counted on all cores, in worker threads with the GIL released
 (`encode_batch_fast`; `Tokenizer.encode` holds the GIL for its whole run). Every step over a long prompt works
 in slices and hands the GIL over between them; a piece without a verified cut for megabytes, whose conversion
-for `tokenizers` and freeing alone would hold the GIL for long, is counted in a helper process.
+for `tokenizers` and freeing alone would hold the GIL for long, is counted in a helper process. A short ASCII
+text (the commonest prompt) is encoded without the tokenizer's Oniguruma regex, most of `encode`'s cost
+(`gateway.admission.ascii_bpe`).
 """
 
 from __future__ import annotations

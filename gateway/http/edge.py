@@ -98,7 +98,8 @@ class EdgeCycle:
             self.waiting_for_100_continue = False
         if not self.disconnected and not self.response_complete:
             self.flow.resume_reading()
-            await self.message_event.wait()
+            if not self.message_event.is_set():  # (a body already whole: no coroutine to wait on)
+                await self.message_event.wait()
             self.message_event.clear()
         if self.disconnected or self.response_complete:
             raise ConnectionAbortedError

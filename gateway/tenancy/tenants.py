@@ -36,7 +36,7 @@ class Tenant:
 
     @property
     def limited(self) -> bool:
-        return self.limits != _NO_LIMITS
+        return self.limits is not _NO_LIMITS and self.limits != _NO_LIMITS  # (identity first: pydantic's == is slow)
 
 
 # The gateway's own canary traffic (its secret header checked by gateway.integrity.probe): no key, no limits, own salt.
