@@ -40,6 +40,7 @@ _ESCAPE = re.compile(r"\\p\{[A-Za-z]\}|\\.")
 _ALLOWED_GROUP_OPENERS = ("(?i:", "(?:", "(?!", "(?=")
 _LITERAL = re.compile(r"[ !\"#%&',\-/:;<=>@_`~A-Za-z0-9]")
 _PIECES_KEPT = 1 << 16  # pieces whose ids are kept, all tenants together (≤ 255 characters: ≲ 40 MiB)
+_PIECES_PER_TENANT = 1 << 13
 _FUZZ_ALPHABET = "aZ' s\t\n\r\x0b\x0c\x1c\x1f\x00\x7f09.,!?-_(){}[]\"#`~ "
 # Longest text encoded here: `re` holds the GIL for a whole scan (~0.05 µs a character), so longer texts go to the
 # tokenizer, which releases it. Longest piece: the tokenizer's own BPE cache keeps pieces under 256 bytes, and a
@@ -113,7 +114,11 @@ class AsciiBpe:
                 if self._kept >= _PIECES_KEPT:
                     self._pieces.clear()  # cheaper than an LRU's bookkeeping on every hit; refilled at ~1 µs a piece
                     self._kept = 0
-                self._pieces.setdefault(tenant, {})[piece] = ids
+                mine = self._pieces.setdefault(tenant, {})
+                if len(mine) >= _PIECES_PER_TENANT:  # one tenant's new pieces push out only its own
+                    self._kept -= len(mine)
+                    mine.clear()
+                mine[piece] = ids
                 self._kept += 1
         return ids
 
@@ -169,9 +174,13 @@ def translate_to_ascii(pattern: str) -> str | None:
     empty match differently)."""
     out: list[str] = []
     relaxed: list[str] = []  # the pattern with every look-ahead taken as true: it matches "" if `pattern` ever can
-    groups: list[bool] = []  # for each open group: whether it is a look-ahead
+    # For each open group: whether it is a look-ahead, whether it is case-insensitive, where its body starts in
+    # `relaxed`.
+    groups: list[tuple[bool, bool, int]] = []
     looking = 0  # look-aheads open
+    folding = 0  # case-insensitive groups open
     last = "start"  # what came last: "atom" may be quantified; "quantifier", "start", "look" may not
+    empty_group = False  # the atom last closed is a group whose body can match "" (not to be quantified)
 
     def emit(token: str) -> None:
         out.append(token)
@@ -186,14 +195,19 @@ def translate_to_ascii(pattern: str) -> str | None:
             table = _INSIDE if in_class else _OUTSIDE
             if escape is None or escape.group() not in table:
                 return None
+            if folding and escape.group().startswith("\\p"):
+                # Case-insensitive, Oniguruma lets a class member fold to several characters (ß → ss, ﬁ → fi).
+                return None
             emit(table[escape.group()])
             i = escape.end()
-            last = "atom" if not in_class else last
+            if not in_class:
+                last, empty_group = "atom", False
         elif in_class:
             if c == "]":
-                in_class, last = False, "atom"
-            elif c == "[" or (c == "^" and pattern[i - 1] != "[") or pattern.startswith("&&", i):
-                return None  # nested classes or set operations
+                in_class, last, empty_group = False, "atom", False
+            elif c == "[" or (c == "^" and pattern[i - 1] != "[") or not " " <= c <= "~" \
+                    or pattern[i:i + 2] in ("&&", "||", "--", "~~"):
+                return None  # nested classes, set operations, characters beyond ASCII
             emit(c)
             i += 1
         elif c == "[":
@@ -211,21 +225,29 @@ def translate_to_ascii(pattern: str) -> str | None:
                 opener = "("
             look = opener in ("(?!", "(?=")
             if look:
+                if groups:
+                    return None  # a look-ahead only at the top level (inside a loop the two engines differ)
                 out.append(opener)
                 looking += 1
             else:
                 emit(opener if opener != "(" else "(?:")
-            groups.append(look)
+            groups.append((look, opener == "(?i:", len(relaxed)))
+            folding += opener == "(?i:"
             i += len(opener)
             last = "start"
         elif c == ")":
             if not groups:
                 return None
-            if groups.pop():
+            look, folds, body_at = groups.pop()
+            folding -= folds
+            if look:
                 out.append(")")
                 looking -= 1
                 last = "look"
+                if i + 1 < len(pattern) and pattern[i + 1] != "|":
+                    return None  # and only at the end of an alternative
             else:
+                empty_group = _matches_empty("".join(relaxed[body_at:]))
                 emit(")")
                 last = "atom"
             i += 1
@@ -234,8 +256,8 @@ def translate_to_ascii(pattern: str) -> str | None:
             i += 1
             last = "start"
         elif c in "?*+{":
-            if last != "atom":
-                return None  # a quantifier of a quantifier, of nothing, or of a look-ahead
+            if last != "atom" or empty_group:
+                return None  # a quantifier of a quantifier, of nothing, of a look-ahead, of a group that can be empty
             count = re.compile(r"\{\d+(,\d*)?\}").match(pattern, i) if c == "{" else None
             if c == "{" and count is None:
                 return None
@@ -246,18 +268,24 @@ def translate_to_ascii(pattern: str) -> str | None:
         elif _LITERAL.fullmatch(c):
             emit(c)
             i += 1
-            last = "atom"
+            last, empty_group = "atom", False
         else:
             return None  # anchors (^ $), the dot, anything else whose ASCII meaning is not certain here
-    if in_class or groups:
+    if in_class or groups or _matches_empty("".join(relaxed)):
         return None
     try:
-        if re.compile("".join(relaxed), re.ASCII).fullmatch("") is not None:
-            return None
         re.compile("".join(out), re.ASCII)
-    except re.error:
+    except (re.error, OverflowError, RecursionError):
         return None  # Oniguruma accepts some patterns Python's `re` does not (`a{2}*`)
     return "".join(out)
+
+
+def _matches_empty(pattern: str) -> bool:
+    """Whether `pattern` (no anchors, no look-arounds) matches the empty string; True when it does not compile."""
+    try:
+        return re.compile(pattern, re.ASCII).fullmatch("") is not None
+    except (re.error, OverflowError, RecursionError):
+        return True
 
 
 def split_pieces(split: re.Pattern[str], text: str) -> list[str]:

@@ -73,7 +73,12 @@ def test_translated_split_equals_the_split_step(pattern: str, text: str) -> None
     # Could match the empty string: the engines step past an empty match differently.
     r"|ab", r"(?:)|ab", r"a|(?=b)", r"\s*", r"(?!a)",
     # Compiled by Oniguruma, refused by Python (a tokenizer with one must still load).
-    r"\p{N}{1,3}{1}", r"a{2}*", r"a+{2}", r"(?!a)*b", r"(a", r"a)",
+    r"\p{N}{1,3}{1}", r"a{2}*", r"a+{2}", r"(?!a)*b", r"(a", r"a)", r"a{4294967296}",
+    # A second attack: case-insensitive, Oniguruma folds a class member to several letters (ß → ss, ﬂ → fl) ...
+    r"(?i:[\p{L}])t", r"(?i:\p{L}+)", "(?i:[\u212a])", "[\u00df]",
+    # ... and steps differently through a loop whose body can be empty around a look-ahead.
+    r"x(?:a|(?=a)b?){2}", r"x(?:a|(?i:(?=a))){2}", r"zq(?:u|(?=u)b?){2}", r"x(?:a?){2}", r"\s+(?!\S)x",
+    r"[a||b]", r"[a~~b]", r"[a--b]",
 ])
 def test_uncertain_constructs_are_refused(pattern: str) -> None:
     assert translate_to_ascii(pattern) is None
@@ -167,3 +172,17 @@ def test_a_text_with_a_long_piece_goes_to_the_tokenizer(fast: AsciiBpe, glm_toke
         with TokenCounter(glm_tokenizer, cache_bytes=1 << 20, single_pass_chars=8192) as counter:
             assert counter.count_sync(text) == len(glm_tokenizer.tokenizer.encode(text).ids)
     assert fast.count("a" * 255, "t") == len(glm_tokenizer.tokenizer.encode("a" * 255).ids)
+
+
+def test_one_tenant_filling_its_pieces_clears_only_its_own(glm_tokenizer: ModelTokenizer,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.admission import ascii_bpe
+
+    monkeypatch.setattr(ascii_bpe, "_PIECES_PER_TENANT", 8)
+    fast = AsciiBpe(glm_tokenizer, re.compile(translate_to_ascii(LLAMA3_CL100K_GLM) or "", re.ASCII))
+    fast.count("kept pieces of b", "b")
+    held = dict(fast._pieces["b"])
+    for n in range(100):
+        fast.count(f"flood{n} words{n}", "a")
+    assert fast._pieces["b"] == held and len(fast._pieces["a"]) <= 8
+    assert fast._kept == sum(map(len, fast._pieces.values()))
