@@ -177,10 +177,14 @@ def translate_to_ascii(pattern: str) -> str | None:
     # For each open group: whether it is a look-ahead, whether it is case-insensitive, where its body starts in
     # `relaxed`.
     groups: list[tuple[bool, bool, int]] = []
+    branching: list[bool] = []  # for each open group: whether its body holds an alternation or a quantifier
     looking = 0  # look-aheads open
     folding = 0  # case-insensitive groups open
     last = "start"  # what came last: "atom" may be quantified; "quantifier", "start", "look" may not
-    empty_group = False  # the atom last closed is a group whose body can match "" (not to be quantified)
+    # The atom last closed is a group that may not be quantified: its body can match "" (the engines step through
+    # such a loop differently), or it branches (a quantified alternation or nested quantifier can backtrack
+    # exponentially in Python's re, where Oniguruma fails fast).
+    unquantifiable = False
 
     def emit(token: str) -> None:
         out.append(token)
@@ -201,10 +205,10 @@ def translate_to_ascii(pattern: str) -> str | None:
             emit(table[escape.group()])
             i = escape.end()
             if not in_class:
-                last, empty_group = "atom", False
+                last, unquantifiable = "atom", False
         elif in_class:
             if c == "]":
-                in_class, last, empty_group = False, "atom", False
+                in_class, last, unquantifiable = False, "atom", False
             elif c == "[" or (c == "^" and pattern[i - 1] != "[") or not " " <= c <= "~" \
                     or pattern[i:i + 2] in ("&&", "||", "--", "~~"):
                 return None  # nested classes, set operations, characters beyond ASCII
@@ -232,6 +236,7 @@ def translate_to_ascii(pattern: str) -> str | None:
             else:
                 emit(opener if opener != "(" else "(?:")
             groups.append((look, opener == "(?i:", len(relaxed)))
+            branching.append(False)
             folding += opener == "(?i:"
             i += len(opener)
             last = "start"
@@ -239,6 +244,7 @@ def translate_to_ascii(pattern: str) -> str | None:
             if not groups:
                 return None
             look, folds, body_at = groups.pop()
+            branches = branching.pop()
             folding -= folds
             if look:
                 out.append(")")
@@ -247,28 +253,30 @@ def translate_to_ascii(pattern: str) -> str | None:
                 if i + 1 < len(pattern) and pattern[i + 1] != "|":
                     return None  # and only at the end of an alternative
             else:
-                empty_group = _matches_empty("".join(relaxed[body_at:]))
+                unquantifiable = branches or _matches_empty("".join(relaxed[body_at:]))
                 emit(")")
                 last = "atom"
             i += 1
         elif c == "|":
+            branching[:] = [True] * len(branching)
             emit(c)
             i += 1
             last = "start"
         elif c in "?*+{":
-            if last != "atom" or empty_group:
-                return None  # a quantifier of a quantifier, of nothing, of a look-ahead, of a group that can be empty
+            if last != "atom" or unquantifiable:
+                return None  # a quantifier of a quantifier, of nothing, of a look-ahead, of a group as above
             count = re.compile(r"\{\d+(,\d*)?\}").match(pattern, i) if c == "{" else None
             if c == "{" and count is None:
                 return None
             token = count.group() if count is not None else c
+            branching[:] = [True] * len(branching)
             emit(token)
             i += len(token)
             last = "quantifier"
         elif _LITERAL.fullmatch(c):
             emit(c)
             i += 1
-            last, empty_group = "atom", False
+            last, unquantifiable = "atom", False
         else:
             return None  # anchors (^ $), the dot, anything else whose ASCII meaning is not certain here
     if in_class or groups or _matches_empty("".join(relaxed)):
