@@ -7,7 +7,7 @@ for common words. Here only the first step is replaced, and only for ASCII text:
 ASCII classes (`\\p{L}` → `[A-Za-z]`, `\\p{N}` → `[0-9]`, `\\s` → `[\\t\\n\\v\\f\\r ]`), runs in Python's `re`,
 which has Oniguruma's semantics (backtracking, leftmost-first alternation, greedy quantifiers); the pieces are
 byte-mapped with the ByteLevel step's own table and encoded by the tokenizer's own BPE model (`model.tokenize`),
-whose answers are kept per piece.
+whose answers are kept per tenant and piece.
 
 Exact by construction but for the translation, and the translation covers only what it is sure of: any escape,
 class or flag beyond those above and it gives up (the tokenizer is then used whole). `for_tokenizer` also checks

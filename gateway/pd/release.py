@@ -37,9 +37,8 @@ class VerifiedRelease:
     def offer(self, payload: bytes) -> bool:
         """A checked decode event: out at once once released, else held (True: the caller may `advance`)."""
         if self._released:
-            if self.prompt_logprobs is None:  # the common case, without `_out`'s two calls
-                self.released_bytes += len(payload)
-                self._events.put_nowait(payload)
+            if self.prompt_logprobs is None:  # the common case, without `_out`'s branches
+                self._put(payload)
             else:
                 self._out(payload)
             return False
