@@ -69,6 +69,9 @@ def main() -> int:
         config.write_text(yaml.safe_dump({
             "listen": {"host": "127.0.0.1", "port": port}, "admin": {"token_env": "KVGATE_BENCH_ADMIN_TOKEN"},
             "max_connections": args.max_connections,
+            # Every stream here comes from one address: its share of the connections (a quarter by default) would
+            # answer most of them 503 and measure the share, not the gateway's limits.
+            "max_connections_per_client": args.max_connections,
             "models": [{"name": "glm-5", "tokenizer": str(GLM5_TOKENIZER), "chat_template": str(GLM5_TEMPLATE),
                         "context_length": 8192, "limits": {"max_inflight_per_worker": args.max_inflight},
                         "prefill": [{"url": pair.prefill.url, "bootstrap_port": pair.prefill.bootstrap_port}],
